@@ -1,0 +1,51 @@
+# spectie — the reproducible report. `make help` lists the targets.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SETUP_STAMP := $(VENV)/.setup-stamp
+HTML := _build/html
+BOOK_FLAGS := -W -n --keep-going
+
+.PHONY: help setup check-setup build test run list check clean
+
+help:
+	@echo "make setup   create $(VENV) with the pinned requirements (idempotent)"
+	@echo "make build   execute stale chapters (papermill), then build the HTML into $(HTML)"
+	@echo "make test    run the tests (installs what it needs first)"
+	@echo "make run CHAPTER=<name> [PARAMS=params.yaml] [ENV=<environment>]   one chapter on this host"
+	@echo "make list    list chapters and environments"
+	@echo "make check   validate every run record"
+	@echo "make clean   remove build products (keeps $(VENV) and results/)"
+
+setup: $(SETUP_STAMP)
+
+$(SETUP_STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	touch $@
+
+# Targets that use the environment but must not install it behind the user's back.
+check-setup:
+	@test -x $(PY) -a -f $(SETUP_STAMP) || { echo "error: no environment in $(VENV): run 'make setup' first" >&2; exit 2; }
+	@test $(SETUP_STAMP) -nt requirements.txt || { echo "error: requirements.txt changed since 'make setup': run 'make setup' again" >&2; exit 2; }
+
+build: check-setup
+	$(PY) -m spectie build
+	$(VENV)/bin/jupyter-book build book --config $(CURDIR)/_config.yml --toc $(CURDIR)/_toc.yml \
+		--path-output $(CURDIR) $(BOOK_FLAGS)
+	@echo "book: $(CURDIR)/$(HTML)/index.html"
+
+run: check-setup
+	@test -n "$(CHAPTER)" || { echo "error: give CHAPTER=<name>; valid chapters:" >&2; $(PY) -m spectie list >&2; exit 2; }
+	$(PY) -m spectie run $(CHAPTER) $(if $(PARAMS),--params $(PARAMS)) $(if $(ENV),--env $(ENV))
+
+list check: check-setup
+	$(PY) -m spectie $@
+
+test: setup
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf _build book/generated

@@ -1,0 +1,3 @@
+from spectie.cli import main
+
+raise SystemExit(main())

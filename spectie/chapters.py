@@ -1,0 +1,171 @@
+"""Chapters: parameterised notebooks executed by papermill into the book, re-run only when stale.
+
+A chapter is stale when the hash of everything it depends on (its notebook, its parameters, the
+package code and the input files it reads) differs from the hash stored in its executed copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from spectie.errors import UsageError
+from spectie.paths import project_root
+
+
+@dataclass(frozen=True)
+class Chapter:
+    name: str
+    notebook: str  # source notebook, relative to the project root
+    inputs: tuple[str, ...]  # glob patterns (relative to the root) of the files the chapter reads
+    summary: str
+
+
+# Order matters: chapters that read other chapters' records come after them.
+CHAPTERS = {
+    c.name: c
+    for c in (
+        Chapter("incident", "notebooks/incident.ipynb", ("results/reported/**/*.json", "environments/*.yaml"),
+                "The incident as reported: symptom, configuration matrix, fp32/bf16 logits"),
+        Chapter("environments", "notebooks/environments.ipynb", ("results/**/*.json", "environments/*.yaml"),
+                "Environments appendix, generated from environments/ and the records"),
+    )
+}
+
+EXECUTED_DIR = "book/generated"
+FAILED_DIR = "_build/failed"
+PACKAGE_GLOBS = ("spectie/**/*.py", "spectie/**/*.json")
+
+
+def get_chapter(name: str) -> Chapter:
+    if name not in CHAPTERS:
+        raise UsageError(f"unknown chapter {name!r}; valid chapters: {', '.join(CHAPTERS)}")
+    return CHAPTERS[name]
+
+
+def notebook_parameters(chapter: Chapter) -> dict:
+    """The chapter's parameters and their defaults, read from its `parameters` cell."""
+    import papermill
+
+    path = project_root() / chapter.notebook
+    return {name: spec["default"] for name, spec in papermill.inspect_notebook(str(path)).items()}
+
+
+def load_parameters(chapter: Chapter, params_file: str | os.PathLike | None = None,
+                    overrides: dict | None = None) -> dict:
+    """Parameters for a run: a YAML file and/or overrides, checked against the notebook's parameters.
+
+    A file that does not parse, is not a mapping, or names a parameter the notebook lacks is an error.
+    Only the given values are returned; the notebook's defaults fill in the rest.
+    """
+    given: dict = {}
+    if params_file is not None:
+        path = Path(params_file)
+        if not path.is_file():
+            raise UsageError(f"parameters file {str(path)!r} does not exist")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise UsageError(f"parameters file {str(path)!r} does not parse: {exc}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise UsageError(f"parameters file {str(path)!r} must be a mapping of name: value")
+        given.update(loaded)
+    given.update(overrides or {})
+    valid = notebook_parameters(chapter)
+    unknown = sorted(set(given) - set(valid))
+    if unknown:
+        raise UsageError(
+            f"chapter {chapter.name!r} has no parameter(s) {', '.join(unknown)}; "
+            f"valid parameters: {', '.join(valid) or '(none)'}"
+        )
+    return given
+
+
+def _files(patterns: tuple[str, ...], root: Path) -> list[Path]:
+    found = {p for pattern in patterns for p in root.glob(pattern) if p.is_file()}
+    return sorted(p for p in found if not p.name.startswith(".") and "__pycache__" not in p.parts)
+
+
+def content_hash(chapter: Chapter, parameters: dict) -> str:
+    """Hash of the notebook, the parameters, the package code and the chapter's input files."""
+    root = project_root()
+    digest = hashlib.sha256()
+    digest.update(json.dumps(parameters, sort_keys=True, default=str).encode())
+    for path in [root / chapter.notebook, *_files(PACKAGE_GLOBS + chapter.inputs, root)]:
+        digest.update(str(path.relative_to(root)).encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def executed_path(chapter: Chapter) -> Path:
+    return project_root() / EXECUTED_DIR / Path(chapter.notebook).name
+
+
+def stored_hash(path: Path) -> str | None:
+    """The content hash an executed copy was made from, or None if there is none."""
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())["metadata"]["spectie"]["content_hash"]
+    except (KeyError, ValueError, TypeError):
+        return None
+
+
+def is_stale(chapter: Chapter, parameters: dict | None = None) -> bool:
+    return stored_hash(executed_path(chapter)) != content_hash(chapter, parameters or {})
+
+
+def execute(chapter: Chapter, parameters: dict | None = None, output: Path | None = None,
+            progress: bool = True) -> Path:
+    """Run the chapter's notebook with papermill and write the executed copy (with its hash).
+
+    The copy is written to a temporary file first: a failed run leaves any earlier executed copy in
+    place and keeps the partial notebook under _build/failed/ for inspection.
+    """
+    import nbformat
+    import papermill
+
+    root = project_root()
+    parameters = parameters or {}
+    output = output or executed_path(chapter)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    stamp = content_hash(chapter, parameters)
+    fd, tmp_name = tempfile.mkstemp(dir=output.parent, prefix=f".{output.stem}.", suffix=".ipynb")
+    os.close(fd)
+    try:
+        papermill.execute_notebook(
+            str(root / chapter.notebook), tmp_name, parameters=parameters, cwd=str(root),
+            progress_bar=progress, kernel_name="python3",
+        )
+    except BaseException:
+        failed = root / FAILED_DIR / output.name
+        failed.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(tmp_name, failed)
+        raise
+    notebook = nbformat.read(tmp_name, as_version=4)
+    notebook.metadata["spectie"] = {"content_hash": stamp, "chapter": chapter.name, "parameters": parameters}
+    nbformat.write(notebook, tmp_name)
+    os.replace(tmp_name, output)
+    return output
+
+
+def build_stale(progress: bool = True, log=print) -> list[str]:
+    """Execute every chapter whose executed copy is missing or out of date; return their names."""
+    ran = []
+    for chapter in CHAPTERS.values():
+        if not is_stale(chapter):
+            log(f"[up to date] {chapter.name}")
+            continue
+        log(f"[executing]  {chapter.name} ({chapter.notebook})")
+        execute(chapter, progress=progress)
+        ran.append(chapter.name)
+    return ran

@@ -1,0 +1,115 @@
+"""Command line: `python -m spectie <command>` (the Makefile calls these)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from spectie.errors import UsageError
+
+
+def _cmd_build(args) -> int:
+    from spectie.chapters import build_stale
+
+    ran = build_stale(progress=not args.quiet)
+    print(f"executed {len(ran)} chapter(s): {', '.join(ran) if ran else 'none (all up to date)'}")
+    return 0
+
+
+def _cmd_run(args) -> int:
+    from spectie.chapters import execute, get_chapter, load_parameters
+    from spectie.environments import get_environment
+    from spectie.paths import project_root
+
+    chapter = get_chapter(args.chapter)
+    if args.env:
+        get_environment(args.env)
+    overrides = dict(args.set or [])
+    parameters = load_parameters(chapter, args.params, overrides)
+    output = Path(args.output) if args.output else project_root() / "_build" / "runs" / f"{chapter.name}.ipynb"
+    print(f"running chapter {chapter.name!r} with parameters {parameters or '(defaults)'}")
+    execute(chapter, parameters, output=output)
+    print(f"executed notebook: {output}")
+    return 0
+
+
+def _cmd_stale(args) -> int:
+    from spectie.chapters import CHAPTERS, is_stale
+
+    for chapter in CHAPTERS.values():
+        print(f"{'stale' if is_stale(chapter) else 'up to date':11} {chapter.name}")
+    return 0
+
+
+def _cmd_check(args) -> int:
+    from spectie.environments import check_record_environments, load_environments
+    from spectie.records import check_records, record_paths
+
+    load_environments()
+    records, problems = check_records(args.results_dir)
+    messages = [str(p) for p in problems] + check_record_environments(records)
+    for message in messages:
+        print(f"error: {message}", file=sys.stderr)
+    print(f"{len(record_paths(args.results_dir))} record file(s), {len(messages)} problem(s)")
+    return 1 if messages else 0
+
+
+def _cmd_list(args) -> int:
+    from spectie.chapters import CHAPTERS
+    from spectie.environments import load_environments
+
+    print("chapters:")
+    for chapter in CHAPTERS.values():
+        print(f"  {chapter.name:14} {chapter.summary}")
+    print("environments:")
+    for env in load_environments().values():
+        print(f"  {env['id']:24} {env['title']}")
+    return 0
+
+
+def _key_value(text: str) -> tuple[str, object]:
+    import yaml
+
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    key, value = text.split("=", 1)
+    return key, yaml.safe_load(value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="spectie", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("build", help="execute every stale chapter into book/generated/")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=_cmd_build)
+
+    p = sub.add_parser("run", help="execute one chapter with parameters on this host")
+    p.add_argument("chapter", help="chapter name (see `spectie list`)")
+    p.add_argument("--params", help="YAML file of parameters")
+    p.add_argument("--set", action="append", type=_key_value, metavar="NAME=VALUE",
+                   help="one parameter (YAML value); may be repeated")
+    p.add_argument("--env", help="environment id from environments/ this host stands for")
+    p.add_argument("--output", help="where to write the executed notebook (default _build/runs/)")
+    p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser("stale", help="say which chapters would be re-executed")
+    p.set_defaults(func=_cmd_stale)
+
+    p = sub.add_parser("check", help="validate every record and environment file")
+    p.add_argument("--results-dir", default=None, help="folder of records (default results/)")
+    p.set_defaults(func=_cmd_check)
+
+    p = sub.add_parser("list", help="list chapters and environments")
+    p.set_defaults(func=_cmd_list)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

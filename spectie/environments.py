@@ -1,0 +1,87 @@
+"""Environments: one YAML file per place the experiment was (or can be) run, in environments/."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from spectie.errors import UsageError
+from spectie.paths import project_root
+
+REQUIRED_KEYS = {"id", "title", "named_in_incident", "vllm", "hardware", "software", "install", "notes"}
+
+STATUS_MEASURED = "measured here"
+STATUS_REPORTED = "reported only"
+STATUS_NOT_RUN = "not yet run"
+
+
+def environments_dir() -> Path:
+    return project_root() / "environments"
+
+
+def load_environments() -> dict[str, dict]:
+    """All environments by id, each checked for the keys the book needs."""
+    environments = {}
+    for path in sorted(environments_dir().glob("*.yaml")):
+        env = yaml.safe_load(path.read_text())
+        if not isinstance(env, dict):
+            raise UsageError(f"{path}: not a mapping")
+        missing = REQUIRED_KEYS - env.keys()
+        if missing:
+            raise UsageError(f"{path}: missing keys {sorted(missing)}")
+        if env["id"] != path.stem:
+            raise UsageError(f"{path}: id {env['id']!r} does not match the file name {path.stem!r}")
+        environments[env["id"]] = env
+    return environments
+
+
+def get_environment(name: str) -> dict:
+    """The environment called `name`; an unknown name raises with the list of valid ones."""
+    environments = load_environments()
+    if name not in environments:
+        raise UsageError(f"unknown environment {name!r}; valid environments: {', '.join(environments)}")
+    return environments[name]
+
+
+def environment_status(env_id: str, records: list[dict]) -> str:
+    """What the book says of an environment, derived from the records (never stored by hand)."""
+    if any(r["provenance"] == "measured" and env_id in r["environments"] for r in records):
+        return STATUS_MEASURED
+    if any(r["provenance"] == "reported" and env_id in r["environments"] for r in records):
+        return STATUS_REPORTED
+    return STATUS_NOT_RUN
+
+
+def check_record_environments(records: list[dict]) -> list[str]:
+    """Problems: records that name an environment with no file in environments/."""
+    known = load_environments()
+    return [
+        f"record {r['id']!r} names unknown environment {env!r}"
+        for r in records
+        for env in r["environments"]
+        if env not in known
+    ]
+
+
+def environments_table(records: list[dict]):
+    """One row per environment: what it is, how to install it, and its status from the records."""
+    import pandas as pd
+
+    rows = []
+    for env in load_environments().values():
+        vllm = env["vllm"]
+        hardware = env["hardware"]
+        gpus = hardware.get("gpu") or "none (CPU)"
+        if hardware.get("gpu_count") and hardware["gpu_count"] > 1:
+            gpus = f"{hardware['gpu_count']} × {gpus}"
+        rows.append({
+            "environment": env["id"],
+            "description": env["title"],
+            "vLLM": vllm.get("version") or (f"commit {vllm['commit']}" if vllm.get("commit") else "not installed"),
+            "hardware": gpus,
+            "named in the incident": "yes" if env["named_in_incident"] else "no",
+            "status": environment_status(env["id"], records),
+            "records": sum(env["id"] in r["environments"] for r in records),
+        })
+    return pd.DataFrame(rows).set_index("environment")

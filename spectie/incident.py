@@ -1,0 +1,121 @@
+"""Tables of the incident chapter, built from the reported records (nothing is typed twice)."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from spectie.environments import load_environments
+
+NOT_REPORTED = "—"
+
+
+def _k_label(k) -> str:
+    if k is None:
+        return "K not stated"
+    if isinstance(k, list):
+        return "K ∈ {" + ", ".join(str(v) for v in k) + "}"
+    return f"K = {k}"
+
+
+def configuration_label(parameters: dict) -> str:
+    """A short, stable name for an engine configuration, e.g. 'mtp (V2), K ∈ {7, 8}, eager'."""
+    method = parameters.get("method")
+    if method == "none":
+        parts = ["plain greedy (no speculation)"]
+    else:
+        name = method if method else "method not stated"
+        if parameters.get("model_runner"):
+            name += f" ({parameters['model_runner']})"
+        parts = [name, _k_label(parameters.get("num_speculative_tokens"))]
+    if parameters.get("enforce_eager") is True and parameters.get("cudagraph_mode") is None:
+        parts.append("eager")
+    if parameters.get("enforce_eager") is False:
+        parts.append("compiled")
+    if parameters.get("cudagraph_mode"):
+        parts.append(f"cudagraph_mode={parameters['cudagraph_mode']}")
+    return ", ".join(parts)
+
+
+def environment_label(env_ids: list[str], environments: dict[str, dict]) -> str:
+    if not env_ids:
+        return "environment not stated"
+    return " or ".join(environments[e]["title"] for e in env_ids)
+
+
+def outcome_label(results: dict) -> str:
+    """What happened, in the words of the matrix: 'stopped 10/10 at prompt_len+8', 'continued'."""
+    if not results["stopped_early"]:
+        return "continued"
+    text = "stopped"
+    if results.get("runs_total"):
+        text += f" {results['runs_stopped']}/{results['runs_total']}"
+    if results.get("stop_offset_from_prompt_len") is not None:
+        text += f" at prompt_len+{results['stop_offset_from_prompt_len']}"
+    return text
+
+
+def outcomes_table(records: list[dict]) -> pd.DataFrame:
+    """One row per engine-outcome record: environment, configuration, outcome, provenance, source."""
+    environments = load_environments()
+    rows = []
+    for r in records:
+        if r["kind"] != "engine-outcome":
+            continue
+        rows.append({
+            "environment": environment_label(r["environments"], environments),
+            "configuration": configuration_label(r["parameters"]),
+            "outcome": outcome_label(r["results"]),
+            "stopped early": r["results"]["stopped_early"],
+            "runs": (f"{r['results']['runs_stopped']}/{r['results']['runs_total']}"
+                     if r["results"].get("runs_total") else "not stated"),
+            "provenance": r["provenance"],
+            "where from": r["source"]["section"] if r["provenance"] == "reported" else r["fingerprint"]["host_id"],
+            "record": r["id"],
+        })
+    return pd.DataFrame(rows)
+
+
+def outcome_matrix(records: list[dict]) -> pd.DataFrame:
+    """Environment × configuration matrix of outcomes; '—' where nothing was reported."""
+    table = outcomes_table(records)
+    matrix = table.pivot_table(index="environment", columns="configuration", values="outcome",
+                               aggfunc=lambda cells: "; ".join(cells), sort=False)
+    return matrix.fillna(NOT_REPORTED)
+
+
+def style_matrix(matrix: pd.DataFrame):
+    """Colour the matrix: red for early stops, green for runs that continued."""
+    def colour(cell: str) -> str:
+        if cell.startswith("stopped"):
+            return "background-color: #f4cccc"
+        if cell == "continued":
+            return "background-color: #d9ead3"
+        return "color: #888888"
+    return (matrix.style.map(colour)
+            .set_caption("Reported outcomes: environment × engine configuration (greedy decoding)")
+            .set_table_attributes('class="outcome-matrix"'))
+
+
+def logit_table(record: dict) -> pd.DataFrame:
+    """The fp32/bf16 logit comparison of a logit-comparison record, one row per dtype."""
+    results = record["results"]
+    tokens = list(results["tokens"])
+    rows = []
+    for row in results["rows"]:
+        entry = {"dtype": row["dtype"]}
+        entry.update({f"{t} logit": row["logits"][t] for t in tokens})
+        entry["top-1"] = row["winner"]
+        entry["wins by"] = row["margin"]
+        rows.append(entry)
+    return pd.DataFrame(rows).set_index("dtype")
+
+
+def logit_values(record: dict) -> dict[str, float | str]:
+    """Flat name -> value pairs of a logit comparison, for glue: e.g. fp32_EOS, bf16_margin."""
+    values: dict[str, float | str] = {"position": record["results"]["position"]}
+    for row in record["results"]["rows"]:
+        for token, logit in row["logits"].items():
+            values[f"{row['dtype']}_{token}"] = logit
+        values[f"{row['dtype']}_winner"] = row["winner"]
+        values[f"{row['dtype']}_margin"] = row["margin"]
+    return values

@@ -1,0 +1,124 @@
+"""Run records: one JSON schema for every result the book shows.
+
+A record is validated when it is written and when it is read. Writes are atomic (a temporary file in
+the same folder, then a rename), so a run that fails or is killed never leaves a half-written record
+and never replaces a good one with a broken one.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import jsonschema
+
+from spectie.errors import UsageError
+from spectie.paths import project_root
+
+SCHEMA_PATH = Path(__file__).with_name("record.schema.json")
+RECORD_SUFFIX = ".json"
+
+
+class RecordError(UsageError):
+    """A record that does not satisfy the schema; names the file and the field."""
+
+    def __init__(self, where: str, field: str, problem: str):
+        self.where, self.field, self.problem = where, field, problem
+        super().__init__(f"{where}: field '{field}': {problem}")
+
+
+@lru_cache(maxsize=1)
+def _validator() -> jsonschema.Draft202012Validator:
+    schema = json.loads(SCHEMA_PATH.read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+def _field_path(error: jsonschema.ValidationError) -> str:
+    return ".".join(str(p) for p in error.absolute_path) or "(record)"
+
+
+def validate_record(record: object, where: str = "<record>") -> dict:
+    """Raise RecordError (file and field) unless `record` satisfies the schema; return it."""
+    errors = sorted(_validator().iter_errors(record), key=lambda e: (len(e.absolute_path), e.path))
+    if errors:
+        # The deepest error is usually the most specific one.
+        error = max(errors, key=lambda e: len(e.absolute_path))
+        raise RecordError(where, _field_path(error), error.message)
+    for field in ("started_at", "finished_at"):
+        if field in record:
+            try:
+                dt.datetime.fromisoformat(record[field])
+            except ValueError:
+                raise RecordError(where, field, f"not an ISO 8601 date-time: {record[field]!r}") from None
+    if "started_at" in record and "finished_at" in record:
+        if dt.datetime.fromisoformat(record["finished_at"]) < dt.datetime.fromisoformat(record["started_at"]):
+            raise RecordError(where, "finished_at", "is earlier than started_at")
+    return record
+
+
+def write_record(record: dict, path: str | os.PathLike) -> Path:
+    """Validate `record` and write it to `path` atomically; an earlier record there survives any failure."""
+    path = Path(path)
+    validate_record(record, where=str(path))
+    text = json.dumps(record, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp-write")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as tmp:
+            tmp.write(text)
+            tmp.flush()
+            os.fsync(tmp.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_record(path: str | os.PathLike) -> dict:
+    """Read and validate one record; a broken file raises RecordError naming it and the field."""
+    path = Path(path)
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise RecordError(str(path), "(file)", f"not valid JSON: {exc}") from None
+    return validate_record(record, where=str(path))
+
+
+def record_paths(results_dir: str | os.PathLike | None = None) -> list[Path]:
+    """Every record file under results/ (temporary files of interrupted writes are not records)."""
+    results_dir = Path(results_dir) if results_dir else project_root() / "results"
+    return sorted(p for p in results_dir.rglob(f"*{RECORD_SUFFIX}") if not p.name.startswith("."))
+
+
+def check_records(results_dir: str | os.PathLike | None = None) -> tuple[list[dict], list[RecordError]]:
+    """Read every record file under results/; return the valid records and every problem found."""
+    records, problems, seen = [], [], {}
+    for path in record_paths(results_dir):
+        try:
+            record = read_record(path)
+        except RecordError as exc:
+            problems.append(exc)
+            continue
+        if record["id"] in seen:
+            problems.append(RecordError(str(path), "id", f"{record['id']!r} is also used by {seen[record['id']]}"))
+            continue
+        seen[record["id"]] = path
+        records.append(record)
+    return records, problems
+
+
+def load_records(results_dir: str | os.PathLike | None = None, **match) -> list[dict]:
+    """All records under results/, validated, optionally filtered by top-level fields (e.g. chapter=...).
+
+    Raises RecordError for the first invalid file or duplicated id: nothing is silently skipped.
+    """
+    records, problems = check_records(results_dir)
+    if problems:
+        raise problems[0]
+    return [r for r in records if all(r.get(key) == value for key, value in match.items())]
