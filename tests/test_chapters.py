@@ -1,0 +1,80 @@
+"""Chapters: parameters checked before any work, and staleness by content hash."""
+
+import json
+
+import nbformat
+import pytest
+
+from spectie.chapters import (CHAPTERS, content_hash, executed_path, get_chapter, is_stale, load_parameters,
+                              stored_hash)
+from spectie.errors import UsageError
+
+
+def test_an_unknown_chapter_lists_the_valid_ones():
+    with pytest.raises(UsageError, match="unknown chapter 'nope'; valid chapters: incident, environments"):
+        get_chapter("nope")
+
+
+def test_parameters_files(tmp_path):
+    chapter = get_chapter("incident")
+    good = tmp_path / "good.yaml"
+    good.write_text("results_dir: results\n")
+    assert load_parameters(chapter, good) == {"results_dir": "results"}
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("results_dir: results\nmodel: Qwen/Qwen3.5-2B\n")
+    with pytest.raises(UsageError, match="has no parameter.*model.*valid parameters: results_dir"):
+        load_parameters(chapter, unknown)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("results_dir: [unclosed\n")
+    with pytest.raises(UsageError, match="does not parse"):
+        load_parameters(chapter, broken)
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- a\n- b\n")
+    with pytest.raises(UsageError, match="must be a mapping"):
+        load_parameters(chapter, listing)
+    with pytest.raises(UsageError, match="does not exist"):
+        load_parameters(chapter, tmp_path / "missing.yaml")
+
+
+def test_the_content_hash_follows_every_input(project_copy):
+    chapter = get_chapter("incident")
+    appendix_base = content_hash(get_chapter("environments"), {})
+    base, with_params = content_hash(chapter, {}), content_hash(chapter, {"results_dir": "elsewhere"})
+    assert base == content_hash(chapter, {})  # deterministic
+    assert base != with_params
+    edits = [
+        project_copy / chapter.notebook,  # the notebook
+        project_copy / "spectie" / "incident.py",  # the package code
+        project_copy / "results" / "reported" / "incident" / "b200-k7.json",  # an input record
+    ]
+    seen = {base}
+    for path in edits:
+        original = path.read_bytes()
+        path.write_bytes(original + b"\n")
+        changed = content_hash(chapter, {})
+        assert changed not in seen, f"editing {path.name} did not change the hash"
+        seen.add(changed)
+        path.write_bytes(original)
+        assert content_hash(chapter, {}) == base
+    # A new record in another chapter's folder is not an input of the incident chapter...
+    (project_copy / "results" / "measured").mkdir(parents=True)
+    (project_copy / "results" / "measured" / "x.json").write_text("{}")
+    assert content_hash(chapter, {}) == base
+    # ...but it is one of the environments appendix.
+    assert content_hash(get_chapter("environments"), {}) != appendix_base
+
+
+def test_staleness_is_read_from_the_executed_copy(project_copy):
+    chapter = CHAPTERS["incident"]
+    assert is_stale(chapter)  # no executed copy yet
+    copy = executed_path(chapter)
+    copy.parent.mkdir(parents=True)
+    notebook = nbformat.v4.new_notebook()
+    notebook.metadata["spectie"] = {"content_hash": content_hash(chapter, {})}
+    nbformat.write(notebook, copy)
+    assert stored_hash(copy) == content_hash(chapter, {})
+    assert not is_stale(chapter)
+    (project_copy / chapter.notebook).write_text((project_copy / chapter.notebook).read_text() + " ")
+    assert is_stale(chapter)
+    copy.write_text(json.dumps({"not": "a notebook"}))
+    assert stored_hash(copy) is None and is_stale(chapter)

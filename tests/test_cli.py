@@ -1,0 +1,62 @@
+"""Bad input gets a clear error and a non-zero exit, before any heavy work."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def spectie(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "spectie", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_unknown_chapter_and_environment():
+    result = spectie("run", "nope")
+    assert result.returncode == 2
+    assert "unknown chapter 'nope'; valid chapters: incident, environments" in result.stderr
+    result = spectie("run", "incident", "--env", "a100")
+    assert result.returncode == 2
+    assert "unknown environment 'a100'; valid environments:" in result.stderr and "v0.32.0-rtx4090" in result.stderr
+
+
+def test_bad_parameters(tmp_path):
+    params = tmp_path / "p.yaml"
+    params.write_text("modle: Qwen/Qwen3.5-2B\n")
+    result = spectie("run", "incident", "--params", str(params))
+    assert result.returncode == 2 and "has no parameter(s) modle" in result.stderr
+    params.write_text("a: [\n")
+    result = spectie("run", "incident", "--params", str(params))
+    assert result.returncode == 2 and "does not parse" in result.stderr
+
+
+def test_check_names_the_bad_file_and_field(tmp_path, reported_record):
+    (tmp_path / "ok.json").write_text(json.dumps(reported_record))
+    assert spectie("check", "--results-dir", str(tmp_path)).returncode == 0
+    reported_record["id"] = "other"
+    reported_record["environments"] = ["mars"]
+    (tmp_path / "unknown-env.json").write_text(json.dumps(reported_record))
+    reported_record["id"] = "bad"
+    reported_record["results"]["stopped_early"] = "yes"
+    (tmp_path / "bad.json").write_text(json.dumps(reported_record))
+    result = spectie("check", "--results-dir", str(tmp_path))
+    assert result.returncode == 1
+    assert "bad.json: field 'results.stopped_early': 'yes' is not of type 'boolean'" in result.stderr
+    assert "names unknown environment 'mars'" in result.stderr
+
+
+def test_the_committed_records_check_clean():
+    result = spectie("check")
+    assert result.returncode == 0, result.stderr
+
+
+def test_make_without_setup_says_so(tmp_path):
+    env = dict(os.environ)
+    for target in (["build"], ["run", "CHAPTER=incident"]):
+        result = subprocess.run(["make", "-s", *target, f"VENV={tmp_path / 'no-venv'}"], cwd=ROOT,
+                                capture_output=True, text=True, env=env, timeout=60)
+        assert result.returncode != 0
+        assert "run 'make setup' first" in result.stderr

@@ -1,0 +1,144 @@
+"""The record schema, validation on write and read, and atomic writes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from spectie.records import RecordError, check_records, load_records, read_record, validate_record, write_record
+
+
+def test_incident_records_and_a_measured_record_validate(reported_record, measured_record):
+    validate_record(reported_record)
+    validate_record(measured_record)
+    fp = measured_record["fingerprint"]
+    for key in ("host_id", "os", "cpu", "gpu", "gpu_driver", "cuda", "python", "torch", "transformers", "vllm", "dtype"):
+        assert key in fp
+    assert fp["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("mutate, field", [
+    (lambda r: r.update(provenance="guessed"), "provenance"),
+    (lambda r: r["results"].update(runs_total=-1), "results.runs_total"),
+    (lambda r: r.pop("source"), "(record)"),
+    (lambda r: r.update(fingerprint={"host_id": "x"}), "fingerprint"),
+    (lambda r: r["parameters"].update(method="beam"), "parameters.method"),
+    (lambda r: r.update(surprise=1), "(record)"),
+])
+def test_a_bad_reported_record_names_the_field(reported_record, mutate, field):
+    mutate(reported_record)
+    with pytest.raises(RecordError) as info:
+        validate_record(reported_record, where="some/file.json")
+    assert info.value.where == "some/file.json"
+    assert info.value.field == field
+    assert "some/file.json" in str(info.value)
+
+
+def test_a_measured_record_needs_its_fingerprint_and_times(measured_record, deep_copy):
+    for key in ("fingerprint", "started_at", "content_hash", "package_version"):
+        broken = deep_copy(measured_record)
+        del broken[key]
+        with pytest.raises(RecordError):
+            validate_record(broken)
+    broken = deep_copy(measured_record)
+    broken["fingerprint"].pop("gpu_driver")
+    with pytest.raises(RecordError) as info:
+        validate_record(broken)
+    assert info.value.field == "fingerprint"
+    broken = deep_copy(measured_record)
+    broken["finished_at"] = "2000-01-01T00:00:00+00:00"
+    with pytest.raises(RecordError, match="earlier than started_at"):
+        validate_record(broken)
+
+
+def test_an_invalid_record_is_not_written(tmp_path, reported_record):
+    path = tmp_path / "r.json"
+    write_record(reported_record, path)
+    before = path.read_text()
+    reported_record["provenance"] = "guessed"
+    with pytest.raises(RecordError):
+        write_record(reported_record, path)
+    assert path.read_text() == before
+
+
+def test_a_write_that_fails_midway_leaves_the_old_record(tmp_path, reported_record):
+    path = tmp_path / "r.json"
+    write_record(reported_record, path)
+    before = path.read_text()
+    reported_record["results"]["tail_text"] = "x"
+
+    def failing_replace(src, dst):
+        raise OSError("disk went away")
+
+    original = os.replace
+    os.replace = failing_replace
+    try:
+        with pytest.raises(OSError):
+            write_record(reported_record, path)
+    finally:
+        os.replace = original
+    assert path.read_text() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # the temporary file is gone
+
+
+KILLED_WRITER = r"""
+import os, sys, time
+from pathlib import Path
+from spectie.records import write_record
+import json
+record = json.loads(Path(sys.argv[1]).read_text())
+record["results"]["tail_text"] = "new " * 200000
+def hang(src, dst):  # the temporary file is complete, the rename has not happened: get killed here
+    Path(sys.argv[2]).write_text("ready")
+    time.sleep(600)
+os.replace = hang
+write_record(record, sys.argv[1])
+"""
+
+
+def test_killing_a_writer_mid_write_leaves_the_old_record(tmp_path, reported_record):
+    path = tmp_path / "r.json"
+    write_record(reported_record, path)
+    before = path.read_text()
+    ready = tmp_path / "ready"
+    writer = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(path), str(ready)])
+    try:
+        deadline = time.time() + 60
+        while not ready.exists():
+            assert writer.poll() is None, "the writer exited before the rename"
+            assert time.time() < deadline, "the writer never reached the rename"
+            time.sleep(0.05)
+        temporaries = [p for p in tmp_path.iterdir() if p.name.startswith(".r.json.")]
+        assert temporaries and temporaries[0].stat().st_size > 800000  # the new content was written...
+    finally:
+        writer.send_signal(signal.SIGKILL)
+        writer.wait()
+    assert path.read_text() == before  # ...but the old record is what is there
+    assert read_record(path) == reported_record
+    assert [r["id"] for r in load_records(tmp_path)] == [reported_record["id"]]  # leftovers are not records
+
+
+def test_reading_reports_a_broken_file_by_name_and_field(tmp_path, reported_record):
+    write_record(reported_record, tmp_path / "good.json")
+    (tmp_path / "not-json.json").write_text("{ nope")
+    bad = dict(reported_record, id="bad")
+    bad["results"] = dict(bad["results"], runs_stopped="ten")
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    records, problems = check_records(tmp_path)
+    assert [r["id"] for r in records] == [reported_record["id"]]
+    messages = sorted(str(p) for p in problems)
+    assert "bad.json: field 'results.runs_stopped'" in messages[0]
+    assert "not-json.json: field '(file)': not valid JSON" in messages[1]
+    with pytest.raises(RecordError):
+        load_records(tmp_path)
+
+
+def test_two_records_with_one_id_are_an_error(tmp_path, reported_record):
+    write_record(reported_record, tmp_path / "a.json")
+    write_record(reported_record, tmp_path / "b.json")
+    with pytest.raises(RecordError, match="also used by"):
+        load_records(tmp_path)
