@@ -9,9 +9,27 @@ from pathlib import Path
 from spectie.errors import UsageError
 
 
+def _input_problems(results_dir=None) -> list[str]:
+    """Every broken record, duplicated id, or record naming an unknown environment."""
+    from spectie.environments import check_record_environments, load_environments
+    from spectie.records import check_records
+
+    load_environments()  # raises on a malformed environment file
+    records, problems = check_records(results_dir)
+    return [str(p) for p in problems] + check_record_environments(records)
+
+
+def _check_inputs() -> None:
+    """Fail before any notebook runs if a record or an environment file is broken."""
+    problems = _input_problems()
+    if problems:
+        raise UsageError(problems[0])
+
+
 def _cmd_build(args) -> int:
     from spectie.chapters import build_stale
 
+    _check_inputs()
     ran = build_stale(progress=not args.quiet)
     print(f"executed {len(ran)} chapter(s): {', '.join(ran) if ran else 'none (all up to date)'}")
     return 0
@@ -25,6 +43,7 @@ def _cmd_run(args) -> int:
     chapter = get_chapter(args.chapter)
     if args.env:
         get_environment(args.env)
+    _check_inputs()
     overrides = dict(args.set or [])
     parameters = load_parameters(chapter, args.params, overrides)
     output = Path(args.output) if args.output else project_root() / "_build" / "runs" / f"{chapter.name}.ipynb"
@@ -43,12 +62,9 @@ def _cmd_stale(args) -> int:
 
 
 def _cmd_check(args) -> int:
-    from spectie.environments import check_record_environments, load_environments
-    from spectie.records import check_records, record_paths
+    from spectie.records import record_paths
 
-    load_environments()
-    records, problems = check_records(args.results_dir)
-    messages = [str(p) for p in problems] + check_record_environments(records)
+    messages = _input_problems(args.results_dir)
     for message in messages:
         print(f"error: {message}", file=sys.stderr)
     print(f"{len(record_paths(args.results_dir))} record file(s), {len(messages)} problem(s)")

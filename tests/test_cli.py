@@ -60,3 +60,12 @@ def test_make_without_setup_says_so(tmp_path):
                                 capture_output=True, text=True, env=env, timeout=60)
         assert result.returncode != 0
         assert "run 'make setup' first" in result.stderr
+
+
+def test_build_refuses_a_broken_record_before_running_anything(project_copy):
+    record = project_copy / "results" / "reported" / "incident" / "b200-k7.json"
+    record.write_text(record.read_text().replace('"stopped_early": true', '"stopped_early": "maybe"'))
+    result = spectie("build", cwd=project_copy)
+    assert result.returncode == 2
+    assert "b200-k7.json: field 'results.stopped_early'" in result.stderr
+    assert not (project_copy / "book" / "generated").exists()
