@@ -40,6 +40,7 @@ CHAPTERS = {
 }
 
 EXECUTED_DIR = "book/generated"
+HASH_VARIABLE = "SPECTIE_CONTENT_HASH"
 FAILED_DIR = "_build/failed"
 PACKAGE_GLOBS = ("spectie/**/*.py", "spectie/**/*.json")
 
@@ -120,6 +121,11 @@ def stored_hash(path: Path) -> str | None:
         return None
 
 
+def current_hash(chapter_name: str) -> str:
+    """The content hash of the run in progress (set by `execute`), or of a default run."""
+    return os.environ.get(HASH_VARIABLE) or content_hash(get_chapter(chapter_name), {})
+
+
 def is_stale(chapter: Chapter, parameters: dict | None = None) -> bool:
     return stored_hash(executed_path(chapter)) != content_hash(chapter, parameters or {})
 
@@ -141,6 +147,7 @@ def execute(chapter: Chapter, parameters: dict | None = None, output: Path | Non
     stamp = content_hash(chapter, parameters)
     fd, tmp_name = tempfile.mkstemp(dir=output.parent, prefix=f".{output.stem}.", suffix=".ipynb")
     os.close(fd)
+    os.environ[HASH_VARIABLE] = stamp  # the kernel inherits it: measured records carry the hash
     try:
         papermill.execute_notebook(
             str(root / chapter.notebook), tmp_name, parameters=parameters, cwd=str(root),
@@ -151,6 +158,8 @@ def execute(chapter: Chapter, parameters: dict | None = None, output: Path | Non
         failed.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(tmp_name, failed)
         raise
+    finally:
+        os.environ.pop(HASH_VARIABLE, None)
     notebook = nbformat.read(tmp_name, as_version=4)
     notebook.metadata["spectie"] = {"content_hash": stamp, "chapter": chapter.name, "parameters": parameters}
     nbformat.write(notebook, tmp_name)

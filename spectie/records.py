@@ -80,6 +80,13 @@ def write_record(record: dict, path: str | os.PathLike) -> Path:
     return path
 
 
+def measured_path(record: dict, results_dir: str | os.PathLike | None = None) -> Path:
+    """Where a measured record lives: results/measured/<environment>-<host id>/<chapter>/<id>.json."""
+    results_dir = Path(results_dir) if results_dir else project_root() / "results"
+    host = f"{record['environments'][0]}-{record['fingerprint']['host_id']}"
+    return results_dir / "measured" / host / record["chapter"] / f"{record['id']}{RECORD_SUFFIX}"
+
+
 def read_record(path: str | os.PathLike) -> dict:
     """Read and validate one record; a broken file raises RecordError naming it and the field."""
     path = Path(path)

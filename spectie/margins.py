@@ -1,0 +1,250 @@
+"""Logit margins between competing tokens, per precision, from teacher-forced forwards.
+
+The procedure of the margins chapter:
+1. generate greedily in the serving dtype (token by token with the cache, as a server decodes);
+2. teacher-force prompt + continuation once per dtype (one forward per dtype, not one per token)
+   and read the logits at every generated position;
+3. compare: top-1/top-2 per dtype, the watched pair's difference (e.g. EOS − DATA) per dtype, and
+   where the dtypes' top-1 disagree.
+
+Positions are 0-based indices in the full sequence: the i-th generated token (1-based) sits at
+position prompt_len + i − 1, as in the incident (prompt 1845 tokens, 10th output token at 1854).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from spectie.errors import UsageError
+
+DTYPES = ("float64", "float32", "bfloat16", "float16")
+SHORT = {"float64": "fp64", "float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def torch_dtype(name: str):
+    import torch
+
+    if name not in DTYPES:
+        raise UsageError(f"unknown dtype {name!r}; valid: {', '.join(DTYPES)}")
+    return getattr(torch, name)
+
+
+def check_device(device: str) -> str:
+    import torch
+
+    if device == "cpu":
+        return device
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UsageError(f"device {device!r} requested but this host has no CUDA GPU (torch sees none)")
+        return device
+    raise UsageError(f"unknown device {device!r}; use 'cpu' or 'cuda'")
+
+
+def resolve_model(model: str) -> str:
+    """A local folder as an absolute path; anything else must look like a hub id (owner/name)."""
+    path = Path(model)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UsageError(f"model folder {model!r} has no config.json")
+        return str(path.resolve())
+    if model.count("/") == 1 and not model.startswith((".", "/")):
+        return model  # a hub id: used only when given, and downloaded by transformers
+    raise UsageError(f"model {model!r} is neither a folder with a config.json nor a hub id like Qwen/Qwen3.5-2B")
+
+
+def check_causal_lm(model: str) -> None:
+    """Fail early, from the config alone, unless transformers maps the model to a causal LM."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = AutoConfig.from_pretrained(model)
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UsageError(f"model {model!r} (model_type {config.model_type!r}) is not a causal language model")
+
+
+def check_memory(model: str, dtype: str, device: str) -> None:
+    """Refuse a precision whose weights cannot fit the device, saying how much they need."""
+    import torch
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model)
+    text = getattr(config, "text_config", config)
+    hidden, layers, vocab = text.hidden_size, text.num_hidden_layers, text.vocab_size
+    intermediate = getattr(text, "intermediate_size", 4 * hidden)
+    params = 2 * vocab * hidden + layers * (4 * hidden * hidden + 3 * hidden * intermediate)
+    need = params * torch.finfo(torch_dtype(dtype)).bits // 8
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info()
+        if need * 1.2 > free:
+            raise UsageError(f"{dtype} weights of {model} need about {need / 2**30:.1f} GiB; "
+                             f"the GPU has {free / 2**30:.1f} GiB free")
+
+
+def load_model(model: str, dtype: str, device: str = "cpu"):
+    """Load a causal LM in `dtype` with a true-precision setup (TF32 off)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    # from_pretrained(dtype=...) keeps RoPE's inv_freq buffer in fp32 (model.to(bf16) would not).
+    loaded = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype(dtype))
+    return loaded.to(device).eval()
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[int]
+    output_ids: list[int]
+    finish_reason: str  # "stop" (an EOS token) or "length"
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def position(self, i: int) -> int:
+        """Sequence position of the i-th output token (0-based i)."""
+        return len(self.prompt_ids) + i
+
+
+def greedy_generate(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: list[int]) -> Generation:
+    """Greedy decoding token by token with the cache (GDN's recurrent rule), stopping at EOS."""
+    import torch
+
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids], device=device), max_new_tokens=max_new_tokens, do_sample=False,
+            eos_token_id=eos_ids, pad_token_id=eos_ids[0], attention_mask=None,
+        )
+    output = out[0, len(prompt_ids):].tolist()
+    if output and output[-1] in eos_ids:
+        return Generation(list(prompt_ids), output, "stop")
+    return Generation(list(prompt_ids), output, "length")
+
+
+def teacher_forced_logits(model, ids: list[int], positions: list[int]):
+    """Logits (float64, on CPU) predicting the tokens at `positions`, from ONE forward over `ids`.
+
+    The output head runs only on the needed rows: for Qwen3.5's 248k vocabulary that is most of the
+    cost of a full-sequence head.
+    """
+    import torch
+
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        hidden = model.model(input_ids=torch.tensor([ids], device=device)).last_hidden_state[0]
+        rows = hidden[torch.tensor([p - 1 for p in positions], device=device)]
+        return model.lm_head(rows).double().cpu()
+
+
+def stepwise_logits(model, ids: list[int], positions: list[int]):
+    """The same logits computed token by token with the cache (slow; for tests and checks)."""
+    import torch
+
+    device = next(model.parameters()).device
+    wanted = {p - 1: i for i, p in enumerate(positions)}
+    result = [None] * len(positions)
+    with torch.no_grad():
+        first = min(wanted)
+        out = model(input_ids=torch.tensor([ids[:first + 1]], device=device), use_cache=True)
+        result[wanted[first]] = out.logits[0, -1].double().cpu()
+        cache = out.past_key_values
+        for index in range(first + 1, max(wanted) + 1):
+            out = model(input_ids=torch.tensor([[ids[index]]], device=device), past_key_values=cache,
+                        use_cache=True)
+            cache = out.past_key_values
+            if index in wanted:
+                result[wanted[index]] = out.logits[0, -1].double().cpu()
+    return torch.stack(result)
+
+
+def bf16_spacing(value: float) -> float:
+    """Distance between adjacent bf16 numbers near `value` (8 significant bits): 0.125 near 16."""
+    if value == 0:
+        return 0.0
+    return 2.0 ** (math.floor(math.log2(abs(value))) - 7)
+
+
+def position_table(logits_by_dtype: dict, positions: list[int], watch: dict[str, int], decode) -> list[dict]:
+    """One row per position: per dtype top-1/top-2 (token, logit), the watched difference and the
+    margin; plus whether the dtypes disagree on top-1.
+
+    `logits_by_dtype`: dtype -> tensor [len(positions), vocab]; `watch`: {name: token id} of two tokens.
+    """
+    (a_name, a_id), (b_name, b_id) = list(watch.items())
+    rows = []
+    for i, position in enumerate(positions):
+        entry: dict = {"position": position}
+        top1 = {}
+        for dtype, logits in logits_by_dtype.items():
+            short = SHORT[dtype]
+            values, ids = logits[i].topk(2)
+            top1[dtype] = int(ids[0])
+            entry[f"{short}_top1"] = decode(int(ids[0]))
+            entry[f"{short}_top1_id"] = int(ids[0])
+            entry[f"{short}_top1_logit"] = float(values[0])
+            entry[f"{short}_top2"] = decode(int(ids[1]))
+            entry[f"{short}_top2_id"] = int(ids[1])
+            entry[f"{short}_top2_logit"] = float(values[1])
+            entry[f"{short}_margin"] = float(values[0] - values[1])
+            entry[f"{short}_{a_name}"] = float(logits[i, a_id])
+            entry[f"{short}_{b_name}"] = float(logits[i, b_id])
+            entry[f"{short}_diff"] = float(logits[i, a_id] - logits[i, b_id])
+        entry["top1_disagree"] = len(set(top1.values())) > 1
+        rows.append(entry)
+    return rows
+
+
+@dataclass
+class PromptMeasurement:
+    """One prompt: its greedy continuation in the serving dtype and the per-position comparison."""
+
+    generation: Generation
+    positions: list[int]
+    rows: list[dict]
+    reference: str  # short name of the most precise dtype compared, e.g. "fp64"
+
+    @property
+    def decisive_index(self) -> int:
+        """The position that decided the outcome: the EOS if generation stopped, otherwise the
+        position where the watched pair came closest in the reference dtype."""
+        if self.generation.finish_reason == "stop":
+            return len(self.rows) - 1
+        return min(range(len(self.rows)), key=lambda i: abs(self.rows[i][f"{self.reference}_diff"]))
+
+
+def measure_prompt(models: dict, serving_dtype: str, prompt_ids: list[int], max_new_tokens: int,
+                   eos_ids: list[int], watch: dict[str, int], decode) -> PromptMeasurement:
+    """Generate in `serving_dtype`, then teacher-force once per dtype in `models` and compare."""
+    generation = greedy_generate(models[serving_dtype], prompt_ids, max_new_tokens, eos_ids)
+    positions = [generation.position(i) for i in range(len(generation.output_ids))]
+    logits = {dtype: teacher_forced_logits(model, generation.ids, positions) for dtype, model in models.items()}
+    reference = SHORT[next(d for d in DTYPES if d in models)]
+    return PromptMeasurement(generation, positions, position_table(logits, positions, watch, decode), reference)
+
+
+def decisive_comparison(measurement: PromptMeasurement, watch: dict[str, int]) -> dict:
+    """The incident-style table at the decisive position: each dtype's logits of the watched pair."""
+    row = measurement.rows[measurement.decisive_index]
+    (a_name, a_id), (b_name, b_id) = list(watch.items())
+    table = []
+    for short in [SHORT[d] for d in DTYPES if f"{SHORT[d]}_diff" in row]:
+        a, b = row[f"{short}_{a_name}"], row[f"{short}_{b_name}"]
+        table.append({"dtype": short, "logits": {a_name: a, b_name: b},
+                      "winner": a_name if a >= b else b_name, "margin": abs(a - b)})
+    return {"position": row["position"], "tokens": dict(watch), "rows": table}
+
+
+def flip_curve(pairs: list[tuple[float, bool]], edges: list[float]) -> list[dict]:
+    """Flip rate by reference margin: `pairs` of (reference top-1 margin, did the other dtype's
+    top-1 differ?), binned by `edges`; each bin says its count so small bins are visible."""
+    bins = []
+    for low, high in zip(edges[:-1], edges[1:]):
+        inside = [flipped for margin, flipped in pairs if low <= margin < high]
+        bins.append({"low": low, "high": high, "count": len(inside), "flips": sum(inside),
+                     "flip_rate": (sum(inside) / len(inside)) if inside else None})
+    return bins
