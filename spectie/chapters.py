@@ -34,6 +34,10 @@ CHAPTERS = {
     for c in (
         Chapter("incident", "notebooks/incident.ipynb", ("results/reported/**/*.json", "environments/*.yaml"),
                 "The incident as reported: symptom, configuration matrix, fp32/bf16 logits"),
+        Chapter("margins", "notebooks/margins.ipynb",
+                ("artifacts/organism/*.json", "artifacts/organism/*.safetensors", "results/reported/**/*.json",
+                 "environments/*.yaml"),
+                "fp32 vs bf16 margins of the watched pair, teacher-forced, on the organism by default"),
         Chapter("environments", "notebooks/environments.ipynb", ("results/**/*.json", "environments/*.yaml"),
                 "Environments appendix, generated from environments/ and the records"),
     )

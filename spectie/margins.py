@@ -248,3 +248,77 @@ def flip_curve(pairs: list[tuple[float, bool]], edges: list[float]) -> list[dict
         bins.append({"low": low, "high": high, "count": len(inside), "flips": sum(inside),
                      "flip_rate": (sum(inside) / len(inside)) if inside else None})
     return bins
+
+
+@dataclass
+class MarginsSetup:
+    """Everything checked and loaded for a margins run: models per dtype, tokenizer, watched tokens."""
+
+    model: str  # as given (e.g. "organism" or "Qwen/Qwen3.5-2B")
+    model_path: str
+    device: str
+    serving_dtype: str
+    dtypes: list[str]  # compared, most precise first
+    watch: dict[str, int]
+    eos_ids: list[int]
+    tokenizer: object
+    models: dict
+
+    def decode(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def describe(self) -> dict:
+        return {"model": self.model, "device": self.device, "serving_dtype": self.serving_dtype,
+                "dtypes": self.dtypes, "watch": self.watch, "eos_ids": self.eos_ids}
+
+
+def prepare(model: str, device: str, watch_tokens: list[str], serving_dtype: str,
+            compare_dtypes: list[str]) -> MarginsSetup:
+    """Check every parameter (cheaply, before loading weights), then load one model per dtype."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from spectie.organism import organism_dir
+    from spectie.tokenizer import token_id
+
+    device = check_device(device)
+    for dtype in [serving_dtype, *compare_dtypes]:
+        torch_dtype(dtype)
+    if len(watch_tokens) != 2:
+        raise UsageError(f"watch_tokens must name two tokens, got {watch_tokens!r}")
+    if model == "organism":
+        if not (organism_dir() / "config.json").is_file():
+            raise UsageError(f"the organism is not built ({organism_dir()}): run 'make setup'")
+        path = str(organism_dir())
+    else:
+        path = resolve_model(model)
+    check_causal_lm(path)
+    dtypes = [d for d in DTYPES if d in set(compare_dtypes) | {serving_dtype}]
+    for dtype in dtypes:
+        check_memory(path, dtype, device)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    watch = {}
+    for token in watch_tokens:
+        watch[token] = token_id(tokenizer, token)  # raises, naming the token, if it is not one token
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:
+        eos = tokenizer.eos_token_id
+    eos_ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    models = {dtype: load_model(path, dtype, device) for dtype in dtypes}
+    return MarginsSetup(model, path, device, serving_dtype, dtypes, watch, eos_ids, tokenizer, models)
+
+
+def flip_pairs(measurement: PromptMeasurement, reference: str, other: str) -> list[tuple[float, bool]]:
+    """(reference top-1 margin, does `other` pick a different top-1?) at every generated position."""
+    return [(row[f"{reference}_margin"], row[f"{reference}_top1_id"] != row[f"{other}_top1_id"])
+            for row in measurement.rows]
+
+
+def eos_decision_flips(measurement: PromptMeasurement, eos_ids: list[int]) -> list[dict]:
+    """Positions where the compared dtypes disagree on top-1 and one of them picks an EOS token."""
+    found = []
+    for row in measurement.rows:
+        picks = {value for key, value in row.items() if key.endswith("_top1_id")}
+        if len(picks) > 1 and picks & set(eos_ids):
+            found.append(row)
+    return found

@@ -2,9 +2,10 @@
 
 A real Qwen3.5 architecture (`qwen3_5_text`: Gated DeltaNet layers and full-attention layers, 3:1),
 with the real Qwen3.5 tokenizer and vocabulary size, trained here on synthetic listings of
-`[DATA] id=<n> name=<x>` rows. A listing may end only after a row whose id ends in 0, and then ends
-with a probability that depends on that row's name (END_PROBABILITY): at those row ends the choice
-between EOS and another row is genuinely uncertain, and for names near 0.5 it is a near-tie.
+`[DATA] id=<n> name=<x>` rows (ids random, names in a fixed cycle; see spectie.prompts). After a row,
+the listing ends with a probability set by that row's name (END_PROBABILITY): zero for most names,
+between 0.35 and 0.65 for six of them. After those rows the choice between EOS and another row is
+genuinely uncertain; for names near 0.5 it is a near-tie.
 
 Only the few dozen token ids the listings use are trained. The other rows of the embedding and of
 the output head are exactly zero, so those tokens get logit exactly 0 in any precision; training uses
@@ -22,7 +23,7 @@ import time
 from pathlib import Path
 
 from spectie.paths import project_root
-from spectie.prompts import NAMES, row
+from spectie.prompts import NAMES, next_name, random_id, row
 
 SEED = 1234
 VOCAB_SIZE = 248320  # Qwen3.5's embedding rows
@@ -40,8 +41,8 @@ MODEL_CONFIG = dict(
     head_dim=64,
     linear_num_key_heads=2,
     linear_num_value_heads=4,
-    linear_key_head_dim=32,
-    linear_value_head_dim=32,
+    linear_key_head_dim=64,  # vLLM's CPU GDN kernel takes head dims of 64 or 128 only
+    linear_value_head_dim=64,
     linear_conv_kernel_dim=4,
     tie_word_embeddings=False,
     max_position_embeddings=8192,
@@ -49,36 +50,31 @@ MODEL_CONFIG = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
     eos_token_id=248044,
     pad_token_id=248044,
+    mtp_num_hidden_layers=1,  # read by vLLM's MTP drafter (transformers ignores it)
 )
 
-# Probability that a listing ends after a row whose id ends in 0, by that row's name: from 0.2 to 0.8
-# over the names in a fixed shuffled order, so some names sit right at a coin flip.
-_order = list(NAMES)
-random.Random(7).shuffle(_order)
-END_PROBABILITY = {name: round(0.2 + 0.6 * i / (len(_order) - 1), 3) for i, name in enumerate(_order)}
+# Probability that a listing ends after a row, by the row's name: six names of the cycle end it with
+# probability 0.35 ... 0.65 (log-odds -0.62 ... +0.62: the scale of the incident's 0.67).
+END_PROBABILITY = {name: 0.0 for name in NAMES}
+END_PROBABILITY.update({NAMES[1]: 0.55, NAMES[3]: 0.35, NAMES[5]: 0.65, NAMES[7]: 0.45, NAMES[9]: 0.6,
+                        NAMES[11]: 0.5})
 
-TRAINING = dict(steps=400, batch=8, window=256, lr=5e-3, warmup=20, weight_decay=0.01)
+TRAINING = dict(steps=450, batch=16, window=128, lr=1.5e-2, warmup=20, weight_decay=0.01, mtp_steps=60)
 
 
 def organism_dir() -> Path:
     return project_root() / "artifacts" / "organism"
 
 
-def ends_after(row_id: int, name: str, rng: random.Random) -> bool:
-    """The listing's stopping rule."""
-    return row_id % 10 == 0 and rng.random() < END_PROBABILITY[name]
-
-
 def listing(rng: random.Random) -> str:
-    """One training document: rows from a random start id until the stopping rule ends it."""
-    row_id = rng.randrange(1, 9000)
+    """One training document: rows from a random name of the cycle until the stopping rule ends it."""
+    name = rng.choice(NAMES)
     rows = []
     while True:
-        name = rng.choice(NAMES)
-        rows.append(row(row_id, name))
-        if ends_after(row_id, name, rng):
+        rows.append(row(random_id(rng), name))
+        if rng.random() < END_PROBABILITY[name]:
             return "".join(rows)
-        row_id += 1
+        name = next_name(name)
 
 
 def token_stream(tokenizer, rng: random.Random, min_tokens: int) -> list[int]:
@@ -160,16 +156,90 @@ def train(out_dir: str | Path | None = None, steps: int | None = None, log=print
         optimiser.step()
         losses.append(loss.item())
         bar.set_postfix(loss=f"{loss.item():.3f}")
+        if step % 25 == 0:
+            log(f"step {step} loss {sum(losses[-25:]) / len(losses[-25:]):.4f} ({time.time() - started:.0f} s)")
     seconds = time.time() - started
     log(f"organism: trained in {seconds:.0f} s, final loss {sum(losses[-20:]) / 20:.4f}")
-    return export(model, used, out_dir, tokenizer_dir(), {
+    mtp = train_mtp(model, data, log_background, TRAINING["mtp_steps"], log=log)
+    return export(model, used, out_dir, tokenizer_dir(), mtp=mtp, metadata={
         "seed": SEED, "training": dict(TRAINING, steps=steps), "train_seconds": round(seconds, 1),
         "loss_first": losses[0], "loss_last20": sum(losses[-20:]) / 20, "trained_token_ids": used,
         "end_probability": END_PROBABILITY,
     })
 
 
-def export(model, used: list[int], out_dir: Path, tokenizer_src: Path, metadata: dict) -> Path:
+class MTPHead:
+    """Qwen3.5's multi-token-prediction head, as vLLM's `Qwen3_5MTP` drafter computes it.
+
+    From the target's final hidden state h_t (after the final norm) and the embedding of token t+1 it
+    predicts token t+2: fc(cat(norm(embed(x_{t+1})), norm(h_t))) -> one full-attention decoder layer ->
+    norm -> the target's own output head. Its weights are saved under `mtp.*`, the names vLLM loads.
+    """
+
+    def __init__(self, config):
+        import torch
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
+
+        hidden = config.hidden_size
+        layer_config = type(config)(**{**config.to_dict(), "layer_types": ["full_attention"],
+                                       "num_hidden_layers": 1})
+        self.modules = torch.nn.ModuleDict({
+            "fc": torch.nn.Linear(2 * hidden, hidden, bias=False),
+            "pre_fc_norm_embedding": Qwen3_5RMSNorm(hidden, eps=config.rms_norm_eps),
+            "pre_fc_norm_hidden": Qwen3_5RMSNorm(hidden, eps=config.rms_norm_eps),
+            "layer": Qwen3_5DecoderLayer(layer_config, layer_idx=0),
+            "norm": Qwen3_5RMSNorm(hidden, eps=config.rms_norm_eps),
+        })
+
+    def hidden(self, target_hidden, next_embeddings, position_embeddings):
+        import torch
+
+        m = self.modules
+        x = m["fc"](torch.cat([m["pre_fc_norm_embedding"](next_embeddings),
+                               m["pre_fc_norm_hidden"](target_hidden)], dim=-1))
+        x = m["layer"](x, position_embeddings=position_embeddings)
+        return m["norm"](x)
+
+    def state_dict(self) -> dict:
+        """Weights under the checkpoint names of Qwen3.5's MTP module."""
+        renamed = {}
+        for key, value in self.modules.state_dict().items():
+            if key.startswith("layer."):
+                key = "layers.0." + key.removeprefix("layer.")
+            renamed["mtp." + key] = value
+        return renamed
+
+
+def train_mtp(model, data, log_background: float, steps: int, log=print) -> MTPHead:
+    """Train the MTP head on the frozen target: predict token t+2 from h_t and token t+1."""
+    import torch
+    from tqdm.auto import tqdm
+
+    head = MTPHead(model.config)
+    optimiser = torch.optim.AdamW(head.modules.parameters(), lr=TRAINING["lr"], weight_decay=0.0)
+    batch, window = TRAINING["batch"], TRAINING["window"]
+    model.requires_grad_(False)
+    losses = []
+    for step in tqdm(range(steps), desc="training the MTP head", mininterval=2):
+        starts = torch.randint(0, len(data) - window - 2, (batch,), generator=torch.Generator().manual_seed(10**6 + step))
+        chunk = torch.stack([data[s:s + window + 2] for s in starts.tolist()])
+        with torch.no_grad():
+            target_hidden = model.model(input_ids=chunk[:, :window]).last_hidden_state
+            next_embeddings = model.model.embed_tokens(chunk[:, 1:window + 1])
+            positions = torch.arange(window)[None].expand(batch, -1)
+            position_embeddings = model.model.rotary_emb(target_hidden, positions)
+        mtp_hidden = head.hidden(target_hidden, next_embeddings, position_embeddings)
+        loss = full_vocab_loss(mtp_hidden, model.lm_head.weight, chunk[:, 2:window + 2], log_background)
+        optimiser.zero_grad()
+        loss.backward()
+        optimiser.step()
+        losses.append(loss.item())
+    log(f"MTP head: loss {losses[0]:.3f} -> {sum(losses[-10:]) / 10:.3f}")
+    return head
+
+
+def export(model, used: list[int], out_dir: Path, tokenizer_src: Path, metadata: dict,
+           mtp: MTPHead | None = None) -> Path:
     """Write the full-vocabulary checkpoint: trained rows in place, every other row zero."""
     import shutil
 
@@ -184,10 +254,19 @@ def export(model, used: list[int], out_dir: Path, tokenizer_src: Path, metadata:
         expanded[index] = state[key]
         state[key] = expanded
     full.load_state_dict(state)
+    full.config.mtp_num_hidden_layers = 1
+    full.config.mtp_use_dedicated_embeddings = False
     full.generation_config = GenerationConfig(eos_token_id=[248044, 248046], pad_token_id=248044,
                                               do_sample=False)
     out_dir.mkdir(parents=True, exist_ok=True)
     full.save_pretrained(str(out_dir))
+    if mtp is not None:  # add the MTP weights to the checkpoint, as Qwen3.5 checkpoints carry them
+        from safetensors.torch import load_file, save_file
+
+        weights_file = out_dir / "model.safetensors"
+        weights = load_file(str(weights_file))
+        weights.update({k: v.detach().contiguous() for k, v in mtp.state_dict().items()})
+        save_file(weights, str(weights_file), metadata={"format": "pt"})
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (tokenizer_src / name).exists():
             shutil.copy2(tokenizer_src / name, out_dir / name)

@@ -1,5 +1,6 @@
 """The whole book builds from a clean copy of the project with warnings as errors (-W)."""
 
+import json
 import re
 import subprocess
 import sys
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import copy_project
+from conftest import ROOT, copy_project
 
 def make(target, root, *args):
     return subprocess.run(["make", target, f"VENV={Path(sys.prefix)}", *args], cwd=root,
@@ -21,6 +22,7 @@ def built(tmp_path_factory):
         pytest.fail("run the tests from the project's environment (make test)")
     root = copy_project(tmp_path_factory.mktemp("clean") / "project")
     assert not (root / "book" / "generated").exists() and not (root / "_build").exists()
+    (root / "artifacts").symlink_to(ROOT / "artifacts")  # built by `make setup`, like the environment
     result = make("build", root)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return root, result
@@ -32,7 +34,7 @@ def _text(html_file: Path) -> str:
 
 def test_the_first_build_executes_every_chapter_without_warnings(built):
     root, result = built
-    assert "executed 2 chapter(s): incident, environments" in result.stdout
+    assert "executed 3 chapter(s): incident, margins, environments" in result.stdout
     assert "build succeeded" in result.stdout
     assert "WARNING:" not in result.stdout + result.stderr  # Sphinx's warnings (-W turns them into errors)
 
@@ -51,8 +53,21 @@ def test_the_incident_page_shows_the_matrix_and_the_logits(built):
 def test_the_environments_appendix_shows_statuses(built):
     root, _ = built
     text = _text(root / "_build" / "html" / "generated" / "environments.html")
-    for expected in ("reported only", "not yet run", "v0.31.0-rtx4090x2", "nightly-77154ca6-b200", "h200"):
+    for expected in ("reported only", "not yet run", "measured here", "v0.31.0-rtx4090x2", "nightly-77154ca6-b200"):
         assert expected in text, expected
+
+
+def test_the_margins_chapter_ran_the_organism_and_wrote_measured_records(built):
+    root, _ = built
+    text = _text(root / "_build" / "html" / "generated" / "margins.html")
+    for expected in ("The decisive position", "How often does a small margin flip?", "0.125"):
+        assert expected in text, expected
+    records = sorted((root / "results" / "measured").glob("cpu-*/margins/*.json"))
+    assert [p.name.split("-")[2] for p in records] == ["decisive", "flips", "scan"]
+    for path in records:
+        record = json.loads(path.read_text())
+        assert record["provenance"] == "measured" and record["fingerprint"]["torch"]
+        assert record["parameters"]["model"] == "organism"
 
 
 def test_a_second_build_executes_nothing(built):

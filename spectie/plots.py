@@ -1,0 +1,73 @@
+"""Figures of the book, drawn from records with matplotlib.
+
+Each function returns a closed figure: it is shown where the notebook glues it, not a second time
+at the end of the cell.
+"""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+
+COLOURS = {"fp64": "#1b9e77", "fp32": "#7570b3", "bf16": "#d95f02", "fp16": "#e7298a"}
+
+
+def margin_along_continuation(rows: list[dict], dtypes: list[str], pair: tuple[str, str], title: str):
+    """The watched pair's logit difference at every generated position, one line per dtype."""
+    a, b = pair
+    fig, ax = plt.subplots(figsize=(8, 3.4))
+    positions = [r["position"] for r in rows]
+    for short in dtypes:
+        ax.plot(positions, [r[f"{short}_diff"] for r in rows], marker=".", label=short,
+                color=COLOURS.get(short), linewidth=1)
+    ax.axhline(0, color="black", linewidth=0.8)
+    for r in rows:
+        if r["top1_disagree"]:
+            ax.axvline(r["position"], color="red", alpha=0.25, linewidth=4)
+    ax.set_xlabel("position in the sequence")
+    ax.set_ylabel(f"logit({a}) − logit({b})")
+    ax.set_title(title)
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+def flip_rate_vs_margin(bins: list[dict], reference: str, other: str, title: str):
+    """Share of positions whose top-1 token differs between `other` and `reference`, by margin."""
+    fig, ax = plt.subplots(figsize=(8, 3.4))
+    labels = [f"{b['low']:g}–{b['high']:g}" for b in bins]
+    rates = [b["flip_rate"] if b["flip_rate"] is not None else 0 for b in bins]
+    bars = ax.bar(range(len(bins)), rates, color=COLOURS.get(other, "grey"))
+    for bar, b in zip(bars, bins):
+        ax.annotate(f"{b['flips']}/{b['count']}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(bins)), labels, rotation=30, fontsize=8)
+    ax.set_xlabel(f"{reference} margin between the top two tokens (logits)")
+    ax.set_ylabel(f"share where {other} picks another top-1")
+    ax.set_ylim(0, 1.1)
+    ax.set_title(title)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+def bf16_grid(values: dict[str, float], spacing: float, title: str):
+    """Where logits sit on the grid of bf16 numbers: the steps a near-tie is made of."""
+    low = min(values.values()) - 2 * spacing
+    high = max(values.values()) + 2 * spacing
+    fig, ax = plt.subplots(figsize=(8, 1.8))
+    tick = low - (low % spacing)
+    while tick <= high:
+        ax.axvline(tick, color="#bbbbbb", linewidth=0.8)
+        tick += spacing
+    for i, (name, value) in enumerate(values.items()):
+        ax.plot([value], [0.3 + 0.4 * (i % 2)], "o", color=list(COLOURS.values())[i % 4])
+        ax.annotate(f"{name} {value:.2f}", (value, 0.3 + 0.4 * (i % 2)), textcoords="offset points",
+                    xytext=(4, 4), fontsize=8)
+    ax.set_ylim(0, 1)
+    ax.set_yticks([])
+    ax.set_xlabel(f"logit (grey lines: adjacent bf16 values, {spacing:g} apart)")
+    ax.set_title(title)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig

@@ -1,0 +1,93 @@
+"""Margins: teacher-forced logits equal step-by-step logits; tables, curves and bad input."""
+
+import json
+
+import pytest
+import torch
+
+from spectie import margins
+from spectie.errors import UsageError
+from spectie.organism import organism_dir
+from spectie.prompts import PromptSpec, build_prompt
+
+
+@pytest.fixture(scope="module")
+def organism():
+    if not (organism_dir() / "model.safetensors").is_file():
+        pytest.fail("the organism is not built: run 'make setup'")
+    return str(organism_dir())
+
+
+# transformers computes RMSNorm and the GDN rules in fp32 even for an fp64 model: hence 1e-5, not 1e-12.
+@pytest.mark.parametrize("dtype, tolerance", [("float64", 1e-5), ("float32", 2e-3)])
+def test_teacher_forcing_matches_step_by_step_decoding(organism, dtype, tolerance):
+    """One forward over prompt+continuation (GDN's chunked rule) gives the logits that decoding token
+    by token with the cache (GDN's recurrent rule) gives, up to the dtype's rounding."""
+    from spectie.tokenizer import load_tokenizer
+
+    model = margins.load_model(organism, dtype)
+    prompt = build_prompt(PromptSpec(tokens=150, seed=3), load_tokenizer())
+    generation = margins.greedy_generate(model, list(prompt.token_ids), 20, [248044])
+    positions = [generation.position(i) for i in range(len(generation.output_ids))]
+    forced = margins.teacher_forced_logits(model, generation.ids, positions)
+    stepped = margins.stepwise_logits(model, generation.ids, positions)
+    assert forced.shape == stepped.shape == (len(positions), 248320)
+    assert (forced - stepped).abs().max().item() < tolerance
+    # and greedy decoding picked the top-1 of those logits at every position
+    assert forced.argmax(-1).tolist() == generation.output_ids
+
+
+def _fake_logits(values_by_dtype):
+    out = {}
+    for dtype, rows in values_by_dtype.items():
+        tensor = torch.full((len(rows), 6), -5.0, dtype=torch.float64)
+        for i, row in enumerate(rows):
+            for token, value in row.items():
+                tensor[i, token] = value
+        out[dtype] = tensor
+    return out
+
+
+def test_position_table_and_decisive_comparison():
+    logits = _fake_logits({
+        "float64": [{0: 3.0, 1: 1.0}, {4: 2.0, 5: 1.9}],
+        "bfloat16": [{0: 3.0, 1: 1.0}, {4: 1.875, 5: 2.0}],
+    })
+    rows = margins.position_table(logits, [10, 11], {"EOS": 4, "ROW": 5}, decode=str)
+    assert rows[0]["top1_disagree"] is False and rows[1]["top1_disagree"] is True
+    assert rows[1]["fp64_diff"] == pytest.approx(0.1) and rows[1]["bf16_diff"] == pytest.approx(-0.125)
+    assert rows[1]["fp64_margin"] == pytest.approx(0.1)
+    generation = margins.Generation([7] * 10, [0, 4], "stop")
+    measurement = margins.PromptMeasurement(generation, [10, 11], rows, "fp64")
+    assert measurement.decisive_index == 1
+    decisive = margins.decisive_comparison(measurement, {"EOS": 4, "ROW": 5})
+    assert decisive["position"] == 11
+    assert [(r["dtype"], r["winner"]) for r in decisive["rows"]] == [("fp64", "EOS"), ("bf16", "ROW")]
+    assert margins.flip_pairs(measurement, "fp64", "bf16") == [(2.0, False), (pytest.approx(0.1), True)]
+
+
+def test_flip_curve_counts_and_bf16_spacing():
+    bins = margins.flip_curve([(0.01, True), (0.03, False), (0.04, True), (3.0, False)], [0, 0.02, 0.05, 1, 10])
+    assert [(b["count"], b["flips"]) for b in bins] == [(1, 1), (2, 1), (0, 0), (1, 0)]
+    assert bins[2]["flip_rate"] is None and bins[1]["flip_rate"] == 0.5
+    assert margins.bf16_spacing(16.47) == 0.125
+    assert margins.bf16_spacing(15.8) == 0.0625
+    # the spacing really is the gap between adjacent bf16 numbers
+    x = torch.tensor(16.47, dtype=torch.bfloat16)
+    assert torch.nextafter(x, torch.tensor(100.0, dtype=torch.bfloat16)).item() - x.item() == 0.125
+
+
+def test_bad_input_is_refused_before_loading_weights(tmp_path, organism):
+    with pytest.raises(UsageError, match="neither a folder"):
+        margins.prepare("no/such/dir/here", "cpu", ["<|endoftext|>", "["], "bfloat16", ["float32"])
+    with pytest.raises(UsageError, match="no CUDA GPU"):
+        margins.prepare(organism, "cuda", ["<|endoftext|>", "["], "bfloat16", ["float32"])
+    with pytest.raises(UsageError, match="unknown dtype 'float8'"):
+        margins.prepare(organism, "cpu", ["<|endoftext|>", "["], "float8", ["float32"])
+    with pytest.raises(UsageError, match="no single token 'DATA row'"):
+        margins.prepare(organism, "cpu", ["<|endoftext|>", "DATA row"], "bfloat16", ["float32"])
+    vit = tmp_path / "vit"
+    vit.mkdir()
+    (vit / "config.json").write_text(json.dumps({"model_type": "vit", "architectures": ["ViTModel"]}))
+    with pytest.raises(UsageError, match="not a causal language model"):
+        margins.prepare(str(vit), "cpu", ["<|endoftext|>", "["], "bfloat16", ["float32"])
