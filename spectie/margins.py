@@ -13,7 +13,9 @@ position prompt_len + i − 1, as in the incident (prompt 1845 tokens, 10th outp
 
 from __future__ import annotations
 
+import inspect
 import math
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,6 +83,31 @@ def check_memory(model: str, dtype: str, device: str) -> None:
         if need * 1.2 > free:
             raise UsageError(f"{dtype} weights of {model} need about {need / 2**30:.1f} GiB; "
                              f"the GPU has {free / 2**30:.1f} GiB free")
+
+
+GDN_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                 "causal_conv1d_update")
+
+
+@contextmanager
+def reference_gdn_kernels():
+    """Within this block, Qwen3.5's GDN layers run transformers' torch reference code.
+
+    transformers routes the gated delta rule and the short convolution to flash-linear-attention and
+    causal-conv1d when they are installed (on GPUs); their Triton dots use TF32 by default, so an "fp32"
+    forward through them is not a true fp32 reference. The reference functions sit under the wrappers
+    (`__wrapped__`); this swaps them in and restores the wrappers afterwards.
+    """
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as module
+
+    saved = {name: getattr(module, name) for name in GDN_FUNCTIONS}
+    try:
+        for name, function in saved.items():
+            setattr(module, name, inspect.unwrap(function))
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(module, name, function)
 
 
 def load_model(model: str, dtype: str, device: str = "cpu"):
@@ -222,7 +249,11 @@ def measure_prompt(models: dict, serving_dtype: str, prompt_ids: list[int], max_
     """Generate in `serving_dtype`, then teacher-force once per dtype in `models` and compare."""
     generation = greedy_generate(models[serving_dtype], prompt_ids, max_new_tokens, eos_ids)
     positions = [generation.position(i) for i in range(len(generation.output_ids))]
-    logits = {dtype: teacher_forced_logits(model, generation.ids, positions) for dtype, model in models.items()}
+    logits = {}
+    for dtype, model in models.items():
+        # References (every dtype but the serving one) run the GDN torch reference code, TF32 off.
+        with reference_gdn_kernels() if dtype != serving_dtype else nullcontext():
+            logits[dtype] = teacher_forced_logits(model, generation.ids, positions)
     reference = SHORT[next(d for d in DTYPES if d in models)]
     return PromptMeasurement(generation, positions, position_table(logits, positions, watch, decode), reference)
 

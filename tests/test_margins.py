@@ -91,3 +91,15 @@ def test_bad_input_is_refused_before_loading_weights(tmp_path, organism):
     (vit / "config.json").write_text(json.dumps({"model_type": "vit", "architectures": ["ViTModel"]}))
     with pytest.raises(UsageError, match="not a causal language model"):
         margins.prepare(str(vit), "cpu", ["<|endoftext|>", "["], "bfloat16", ["float32"])
+
+
+def test_reference_gdn_kernels_swap_in_the_torch_code_and_restore_the_wrappers():
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as module
+
+    before = {name: getattr(module, name) for name in margins.GDN_FUNCTIONS}
+    assert all(hasattr(f, "__wrapped__") for f in before.values())  # transformers' dispatching wrappers
+    with margins.reference_gdn_kernels():
+        for name in margins.GDN_FUNCTIONS:
+            function = getattr(module, name)
+            assert not hasattr(function, "__wrapped__") and function.__module__ == module.__name__
+    assert {name: getattr(module, name) for name in margins.GDN_FUNCTIONS} == before
