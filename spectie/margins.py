@@ -353,3 +353,35 @@ def eos_decision_flips(measurement: PromptMeasurement, eos_ids: list[int]) -> li
         if len(picks) > 1 and picks & set(eos_ids):
             found.append(row)
     return found
+
+
+def sweep(setup: MarginsSetup, specs, new_tokens: int, progress: bool = True):
+    """Measure every prompt of `specs`: return (flip pairs reference vs serving, EOS-decision flips)."""
+    from tqdm import tqdm
+
+    from spectie.prompts import build_prompt
+
+    reference, serving = SHORT[setup.dtypes[0]], SHORT[setup.serving_dtype]
+    pairs, eos_flips = [], []
+    for spec in tqdm(specs, desc="sweep prompts", mininterval=10, disable=not progress):
+        prompt = build_prompt(spec, setup.tokenizer)
+        measurement = measure_prompt(setup.models, setup.serving_dtype, list(prompt.token_ids), new_tokens,
+                                     setup.eos_ids, setup.watch, setup.decode)
+        pairs += flip_pairs(measurement, reference, serving)
+        eos_flips += [dict(seed=spec.seed, **row) for row in eos_decision_flips(measurement, setup.eos_ids)]
+    return pairs, eos_flips
+
+
+def chapter_record(setup: MarginsSetup, environment: str, name: str, kind: str, title: str, parameters: dict,
+                   results: dict, started_at: str) -> dict:
+    """A measured record of the margins chapter; its id names the environment and the host."""
+    from spectie.chapters import current_hash
+    from spectie.fingerprint import measured_record
+
+    record = measured_record(
+        record_id=f"margins-{environment}-{name}", kind=kind, chapter="margins", title=title,
+        environment=environment, parameters=dict(parameters, model=setup.model, device=setup.device),
+        results=results, started_at=started_at, content_hash=current_hash("margins"),
+        dtype=setup.serving_dtype)
+    record["id"] = f"{record['id']}-{record['fingerprint']['host_id']}"
+    return record

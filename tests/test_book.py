@@ -60,7 +60,7 @@ def test_the_environments_appendix_shows_statuses(built):
 def test_the_margins_chapter_ran_the_organism_and_wrote_measured_records(built):
     root, _ = built
     text = _text(root / "_build" / "html" / "generated" / "margins.html")
-    for expected in ("The decisive position", "How often does a small margin flip?", "0.125"):
+    for expected in ("The decisive position", "How often does a small margin flip?", "0.125", "NVIDIA H200"):
         assert expected in text, expected
     records = sorted((root / "results" / "measured").glob("cpu-*/margins/*.json"))
     assert [p.name.split("-")[2] for p in records] == ["decisive", "flips", "scan"]

@@ -57,8 +57,8 @@ def test_the_content_hash_follows_every_input(project_copy):
         path.write_bytes(original)
         assert content_hash(chapter, {}) == base
     # A new record in another chapter's folder is not an input of the incident chapter...
-    (project_copy / "results" / "measured").mkdir(parents=True)
-    (project_copy / "results" / "measured" / "x.json").write_text("{}")
+    (project_copy / "results" / "measured" / "elsewhere").mkdir(parents=True)
+    (project_copy / "results" / "measured" / "elsewhere" / "x.json").write_text("{}")
     assert content_hash(chapter, {}) == base
     # ...but it is one of the environments appendix.
     assert content_hash(get_chapter("environments"), {}) != appendix_base
