@@ -35,7 +35,7 @@ CHAPTERS = {
         Chapter("incident", "notebooks/incident.ipynb", ("results/reported/**/*.json", "environments/*.yaml"),
                 "The incident as reported: symptom, configuration matrix, fp32/bf16 logits"),
         Chapter("margins", "notebooks/margins.ipynb",
-                ("artifacts/organism/*.json", "artifacts/organism/*.safetensors", "results/reported/**/*.json",
+                ("artifacts/organism/*.json", "artifacts/organism/*.safetensors", "results/**/*.json",
                  "environments/*.yaml"),
                 "fp32 vs bf16 margins of the watched pair, teacher-forced, on the organism by default"),
         Chapter("environments", "notebooks/environments.ipynb", ("results/**/*.json", "environments/*.yaml"),
@@ -100,12 +100,25 @@ def _files(patterns: tuple[str, ...], root: Path) -> list[Path]:
     return sorted(p for p in found if not p.name.startswith(".") and "__pycache__" not in p.parts)
 
 
+def own_records_dir(chapter: Chapter) -> str:
+    """Where this chapter writes its records on this host: results/measured/<env>-<host id>/<chapter>/."""
+    from spectie.fingerprint import host_id
+
+    return f"results/measured/*-{host_id()}/{chapter.name}/"
+
+
 def content_hash(chapter: Chapter, parameters: dict) -> str:
-    """Hash of the notebook, the parameters, the package code and the chapter's input files."""
+    """Hash of the notebook, the parameters, the package code and the chapter's input files.
+
+    The chapter's own records on this host are its outputs, not its inputs: they are left out, so a
+    chapter that shows every recorded run (its own and other hosts') is not stale after its own run.
+    """
     root = project_root()
+    own = {p for p in root.glob(own_records_dir(chapter) + "*.json")}
     digest = hashlib.sha256()
     digest.update(json.dumps(parameters, sort_keys=True, default=str).encode())
-    for path in [root / chapter.notebook, *_files(PACKAGE_GLOBS + chapter.inputs, root)]:
+    inputs = [p for p in _files(PACKAGE_GLOBS + chapter.inputs, root) if p not in own]
+    for path in [root / chapter.notebook, *inputs]:
         digest.update(str(path.relative_to(root)).encode() + b"\0")
         digest.update(path.read_bytes() + b"\0")
     return digest.hexdigest()

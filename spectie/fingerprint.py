@@ -34,7 +34,7 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _host_id() -> str:
+def host_id() -> str:
     """A stable, anonymous id of this machine: a hash of /etc/machine-id (or the host name)."""
     try:
         seed = Path("/etc/machine-id").read_text().strip()
@@ -79,7 +79,7 @@ def environment_fingerprint(dtype: str | None = None) -> dict:
     """Where a measurement ran: host, OS, CPU, GPU and driver, CUDA, Python and library versions."""
     gpu, driver = _gpu()
     return {
-        "host_id": _host_id(),
+        "host_id": host_id(),
         "os": platform.platform(),
         "cpu": _cpu_model(),
         "gpu": gpu,

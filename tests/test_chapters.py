@@ -78,3 +78,20 @@ def test_staleness_is_read_from_the_executed_copy(project_copy):
     assert is_stale(chapter)
     copy.write_text(json.dumps({"not": "a notebook"}))
     assert stored_hash(copy) is None and is_stale(chapter)
+
+
+def test_a_chapter_is_not_stale_after_writing_its_own_records(project_copy):
+    """The margins chapter reads every record (to list other hosts' runs) but its own records on this
+    host are outputs: writing them does not make it stale; another host's new record does."""
+    from spectie.fingerprint import host_id
+
+    chapter = get_chapter("margins")
+    before = content_hash(chapter, {})
+    own = project_copy / "results" / "measured" / f"cpu-{host_id()}" / "margins"
+    own.mkdir(parents=True, exist_ok=True)
+    (own / "margins-cpu-decisive-x.json").write_text("{}")
+    assert content_hash(chapter, {}) == before
+    other = project_copy / "results" / "measured" / "h200-0123456789ab" / "margins"
+    other.mkdir(parents=True, exist_ok=True)
+    (other / "margins-h200-decisive-y.json").write_text("{}")
+    assert content_hash(chapter, {}) != before
