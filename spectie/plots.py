@@ -16,9 +16,10 @@ def margin_along_continuation(rows: list[dict], dtypes: list[str], pair: tuple[s
     a, b = pair
     fig, ax = plt.subplots(figsize=(8, 3.4))
     positions = [r["position"] for r in rows]
-    for short in dtypes:
-        ax.plot(positions, [r[f"{short}_diff"] for r in rows], marker=".", label=short,
-                color=COLOURS.get(short), linewidth=1)
+    # Most precise first and widest, so that lines lying on top of each other stay visible.
+    for i, short in enumerate(dtypes):
+        ax.plot(positions, [r[f"{short}_diff"] for r in rows], label=short, color=COLOURS.get(short),
+                linewidth=4.5 - 1.5 * i, alpha=0.8, marker="." if i == len(dtypes) - 1 else None)
     ax.axhline(0, color="black", linewidth=0.8)
     for r in rows:
         if r["top1_disagree"]:
