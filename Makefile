@@ -40,6 +40,7 @@ $(ORGANISM): $(TOKENIZER) spectie/organism.py spectie/prompts.py
 check-setup:
 	@test -x $(PY) -a -f $(SETUP_STAMP) || { echo "error: no environment in $(VENV): run 'make setup' first" >&2; exit 2; }
 	@test $(SETUP_STAMP) -nt requirements.txt || { echo "error: requirements.txt changed since 'make setup': run 'make setup' again" >&2; exit 2; }
+	@test -f $(TOKENIZER) -a -f $(ORGANISM) || { echo "error: the tokenizer or the organism is missing from artifacts/: run 'make setup'" >&2; exit 2; }
 
 build: check-setup
 	$(PY) -m spectie build

@@ -69,3 +69,10 @@ def test_build_refuses_a_broken_record_before_running_anything(project_copy):
     assert result.returncode == 2
     assert "b200-k7.json: field 'results.stopped_early'" in result.stderr
     assert not (project_copy / "book" / "generated").exists()
+
+
+def test_make_build_without_the_organism_says_so():
+    result = subprocess.run(["make", "-s", "build", "ORGANISM=artifacts/not-built"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "the tokenizer or the organism is missing from artifacts/: run 'make setup'" in result.stderr
