@@ -46,7 +46,7 @@ CHAPTERS = {
 EXECUTED_DIR = "book/generated"
 HASH_VARIABLE = "SPECTIE_CONTENT_HASH"
 FAILED_DIR = "_build/failed"
-PACKAGE_GLOBS = ("spectie/**/*.py", "spectie/**/*.json")
+PACKAGE_GLOBS = ("spectie/**/*.py", "spectie/**/*.json", "spectie/**/*.yaml")
 
 
 def get_chapter(name: str) -> Chapter:

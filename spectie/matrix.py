@@ -1,0 +1,111 @@
+"""The reproduction chapter's configuration matrix: engine configurations as data (YAML), checked
+before any engine starts, and turned into vLLM's public `LLM(...)` arguments.
+
+Work in progress for issue #4: the runner (one child process per configuration) is not written yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import yaml
+
+from spectie.errors import UsageError
+
+METHODS = ("none", "ngram", "ngram_gpu", "mtp")
+MODEL_RUNNERS = (None, "V1", "V2")
+FIELDS = {"id", "method", "k", "temperature", "max_tokens", "repeats", "enforce_eager", "enable_prefix_caching",
+          "model_runner", "cudagraph_mode", "batch_invariant"}
+MATRICES = Path(__file__).with_name("matrices")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    id: str
+    method: str
+    k: int | None  # num_speculative_tokens; None without speculation
+    temperature: float
+    max_tokens: int
+    repeats: int
+    enforce_eager: bool
+    enable_prefix_caching: bool
+    model_runner: str | None = None
+    cudagraph_mode: str | None = None
+    batch_invariant: bool = False
+
+    def llm_kwargs(self, model: str, dtype: str, **extra) -> dict:
+        """Keyword arguments of `vllm.LLM` for this configuration."""
+        kwargs = dict(model=model, dtype=dtype, enforce_eager=self.enforce_eager,
+                      enable_prefix_caching=self.enable_prefix_caching, seed=0, **extra)
+        if self.method != "none":
+            kwargs["speculative_config"] = {"method": self.method, "num_speculative_tokens": self.k}
+        if self.cudagraph_mode is not None:
+            kwargs["compilation_config"] = {"cudagraph_mode": self.cudagraph_mode}
+        return kwargs
+
+    def environment(self) -> dict[str, str]:
+        """Environment variables the engine process needs for this configuration."""
+        env = {}
+        if self.model_runner is not None:
+            env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if self.model_runner == "V2" else "0"
+        if self.batch_invariant:
+            env["VLLM_BATCH_INVARIANT"] = "1"
+        return env
+
+    def sampling_kwargs(self) -> dict:
+        """Keyword arguments of `vllm.SamplingParams`."""
+        return {"temperature": self.temperature, "max_tokens": self.max_tokens}
+
+    def describe(self) -> dict:
+        return asdict(self)
+
+
+def _check(entry: dict, where: str) -> None:
+    unknown = sorted(set(entry) - FIELDS)
+    if unknown:
+        raise UsageError(f"{where}: unknown field(s) {', '.join(unknown)}; valid: {', '.join(sorted(FIELDS))}")
+    if entry.get("method") not in METHODS:
+        raise UsageError(f"{where}: unknown method {entry.get('method')!r}; valid: {', '.join(METHODS)}")
+    if entry.get("model_runner") not in MODEL_RUNNERS:
+        raise UsageError(f"{where}: model_runner must be V1, V2 or null, got {entry.get('model_runner')!r}")
+    k = entry.get("k")
+    if entry["method"] == "none":
+        if k is not None:
+            raise UsageError(f"{where}: method 'none' takes no k")
+    else:
+        for value in k if isinstance(k, list) else [k]:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UsageError(f"{where}: k (num_speculative_tokens) must be an integer >= 1, got {value!r}")
+    for field in ("max_tokens", "repeats"):
+        if not isinstance(entry.get(field), int) or entry[field] < 1:
+            raise UsageError(f"{where}: {field} must be an integer >= 1, got {entry.get(field)!r}")
+
+
+def load_matrix(path: str | Path | None = None) -> list[EngineConfig]:
+    """The configurations of a matrix file (default: the incident's), validated and expanded per K."""
+    path = Path(path) if path else MATRICES / "incident.yaml"
+    if not path.is_file():
+        raise UsageError(f"matrix file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise UsageError(f"matrix file {str(path)!r} does not parse: {exc}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("configurations"), list):
+        raise UsageError(f"matrix file {str(path)!r} needs a 'configurations' list")
+    defaults = data.get("defaults") or {}
+    configs, seen = [], set()
+    for index, raw in enumerate(data["configurations"]):
+        entry = {**defaults, **raw}
+        where = f"{path.name}: configuration {raw.get('id', index)!r}"
+        if "id" not in raw:
+            raise UsageError(f"{where}: needs an id")
+        _check(entry, where)
+        ks = entry.get("k") if isinstance(entry.get("k"), list) else [entry.get("k")]
+        for k in ks:
+            config_id = entry["id"] if len(ks) == 1 else f"{entry['id']}-k{k}"
+            if config_id in seen:
+                raise UsageError(f"{where}: id {config_id!r} is used twice")
+            seen.add(config_id)
+            configs.append(EngineConfig(**{**entry, "id": config_id, "k": k}))
+    return configs

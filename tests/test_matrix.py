@@ -1,0 +1,53 @@
+"""The reproduction matrix as data: validation before any engine starts, and vLLM arguments."""
+
+import pytest
+
+from spectie.errors import UsageError
+from spectie.matrix import load_matrix
+
+
+def test_the_incident_matrix_expands_per_k_and_maps_to_vllm_arguments():
+    configs = {c.id: c for c in load_matrix()}
+    assert {"plain", "ngram_gpu-k1", "ngram_gpu-k6", "ngram_gpu-k7", "ngram_gpu-k8", "mtp-v2-k1", "mtp-v2-k8",
+            "mtp-v1-k8", "mtp-compiled", "mtp-no-prefix-cache-k3", "plain-batch-invariant"} <= set(configs)
+    assert all(c.max_tokens == 96 and c.temperature == 0 and c.repeats == 10 for c in configs.values())
+    kwargs = configs["mtp-v2-k8"].llm_kwargs("organism", "bfloat16", kv_cache_memory_bytes=1 << 28)
+    assert kwargs["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 8}
+    assert kwargs["enforce_eager"] is True and kwargs["kv_cache_memory_bytes"] == 1 << 28
+    assert configs["mtp-v2-k8"].environment() == {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+    assert configs["ngram_gpu-k7"].environment() == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    compiled = configs["mtp-compiled"].llm_kwargs("m", "bfloat16")
+    assert compiled["enforce_eager"] is False and compiled["compilation_config"] == {"cudagraph_mode": "NONE"}
+    assert "speculative_config" not in configs["plain"].llm_kwargs("m", "bfloat16")
+    assert configs["plain-batch-invariant"].environment() == {"VLLM_BATCH_INVARIANT": "1"}
+
+
+@pytest.mark.parametrize("entry, message", [
+    ("{id: a, method: beam}", "unknown method 'beam'; valid: none, ngram, ngram_gpu, mtp"),
+    ("{id: a, method: mtp, k: 0}", "must be an integer >= 1, got 0"),
+    ("{id: a, method: mtp, k: [1, -2]}", "must be an integer >= 1, got -2"),
+    ("{id: a, method: none, k: 3}", "method 'none' takes no k"),
+    ("{id: a, method: mtp, k: 1, speculative: yes}", "unknown field(s) speculative"),
+    ("{id: a, method: mtp, k: 1, model_runner: V3}", "model_runner must be V1, V2 or null"),
+    ("{method: mtp, k: 1}", "needs an id"),
+])
+def test_bad_configurations_are_refused_with_the_reason(tmp_path, entry, message):
+    path = tmp_path / "m.yaml"
+    path.write_text("defaults: {temperature: 0, max_tokens: 96, repeats: 2, enforce_eager: true, "
+                    f"enable_prefix_caching: false}}\nconfigurations:\n  - {entry}\n")
+    with pytest.raises(UsageError, match="m.yaml: configuration") as info:
+        load_matrix(path)
+    assert message in str(info.value)
+
+
+def test_bad_matrix_files(tmp_path):
+    with pytest.raises(UsageError, match="does not exist"):
+        load_matrix(tmp_path / "missing.yaml")
+    (tmp_path / "broken.yaml").write_text("configurations: [\n")
+    with pytest.raises(UsageError, match="does not parse"):
+        load_matrix(tmp_path / "broken.yaml")
+    (tmp_path / "twice.yaml").write_text(
+        "defaults: {temperature: 0, max_tokens: 9, repeats: 1, enforce_eager: true, enable_prefix_caching: false}\n"
+        "configurations:\n  - {id: a, method: mtp, k: [1]}\n  - {id: a, method: none}\n")
+    with pytest.raises(UsageError, match="'a' is used twice"):
+        load_matrix(tmp_path / "twice.yaml")
