@@ -14,9 +14,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
-from spectie.errors import UsageError
+from spectie.errors import UsageError, read_yaml
 from spectie.paths import project_root
 
 
@@ -72,17 +70,11 @@ def load_parameters(chapter: Chapter, params_file: str | os.PathLike | None = No
     """
     given: dict = {}
     if params_file is not None:
-        path = Path(params_file)
-        if not path.is_file():
-            raise UsageError(f"parameters file {str(path)!r} does not exist")
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as exc:
-            raise UsageError(f"parameters file {str(path)!r} does not parse: {exc}") from None
+        loaded = read_yaml(params_file, "parameters file")
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
-            raise UsageError(f"parameters file {str(path)!r} must be a mapping of name: value")
+            raise UsageError(f"parameters file {str(params_file)!r} must be a mapping of name: value")
         given.update(loaded)
     given.update(overrides or {})
     valid = notebook_parameters(chapter)

@@ -57,22 +57,18 @@ def resolve_model(model: str) -> str:
     raise UsageError(f"model {model!r} is neither a folder with a config.json nor a hub id like Qwen/Qwen3.5-2B")
 
 
-def check_causal_lm(model: str) -> None:
+def check_causal_lm(model: str, config) -> None:
     """Fail early, from the config alone, unless transformers maps the model to a causal LM."""
-    from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    config = AutoConfig.from_pretrained(model)
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise UsageError(f"model {model!r} (model_type {config.model_type!r}) is not a causal language model")
 
 
-def check_memory(model: str, dtype: str, device: str) -> None:
+def check_memory(model: str, config, dtype: str, device: str) -> None:
     """Refuse a precision whose weights cannot fit the device, saying how much they need."""
     import torch
-    from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model)
     text = getattr(config, "text_config", config)
     hidden, layers, vocab = text.hidden_size, text.num_hidden_layers, text.vocab_size
     intermediate = getattr(text, "intermediate_size", 4 * hidden)
@@ -306,7 +302,7 @@ class MarginsSetup:
 def prepare(model: str, device: str, watch_tokens: list[str], serving_dtype: str,
             compare_dtypes: list[str]) -> MarginsSetup:
     """Check every parameter (cheaply, before loading weights), then load one model per dtype."""
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from spectie.organism import organism_dir
     from spectie.tokenizer import token_id
@@ -322,10 +318,11 @@ def prepare(model: str, device: str, watch_tokens: list[str], serving_dtype: str
         path = str(organism_dir())
     else:
         path = resolve_model(model)
-    check_causal_lm(path)
+    config = AutoConfig.from_pretrained(path)
+    check_causal_lm(path, config)
     dtypes = [d for d in DTYPES if d in set(compare_dtypes) | {serving_dtype}]
     for dtype in dtypes:
-        check_memory(path, dtype, device)
+        check_memory(path, config, dtype, device)
     tokenizer = AutoTokenizer.from_pretrained(path)
     watch = {}
     for token in watch_tokens:

@@ -9,9 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import yaml
-
-from spectie.errors import UsageError
+from spectie.errors import UsageError, read_yaml
 
 METHODS = ("none", "ngram", "ngram_gpu", "mtp")
 MODEL_RUNNERS = (None, "V1", "V2")
@@ -85,12 +83,7 @@ def _check(entry: dict, where: str) -> None:
 def load_matrix(path: str | Path | None = None) -> list[EngineConfig]:
     """The configurations of a matrix file (default: the incident's), validated and expanded per K."""
     path = Path(path) if path else MATRICES / "incident.yaml"
-    if not path.is_file():
-        raise UsageError(f"matrix file {str(path)!r} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise UsageError(f"matrix file {str(path)!r} does not parse: {exc}") from None
+    data = read_yaml(path, "matrix file")
     if not isinstance(data, dict) or not isinstance(data.get("configurations"), list):
         raise UsageError(f"matrix file {str(path)!r} needs a 'configurations' list")
     defaults = data.get("defaults") or {}
