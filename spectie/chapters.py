@@ -36,6 +36,10 @@ CHAPTERS = {
                 ("artifacts/organism/*.json", "artifacts/organism/*.safetensors", "results/**/*.json",
                  "environments/*.yaml"),
                 "fp32 vs bf16 margins of the watched pair, teacher-forced, on the organism by default"),
+        Chapter("reproduce", "notebooks/reproduce.ipynb",
+                ("artifacts/organism/*.json", "artifacts/organism/*.safetensors", "results/**/*.json",
+                 "environments/*.yaml"),
+                "The incident's configuration matrix through vLLM (CPU build on the organism by default)"),
         Chapter("environments", "notebooks/environments.ipynb", ("results/**/*.json", "environments/*.yaml"),
                 "Environments appendix, generated from environments/ and the records"),
     )

@@ -36,20 +36,29 @@ def _cmd_build(args) -> int:
 
 
 def _cmd_run(args) -> int:
-    from spectie.chapters import execute, get_chapter, load_parameters
+    from spectie.chapters import execute, get_chapter, load_parameters, notebook_parameters
     from spectie.environments import get_environment
     from spectie.paths import project_root
 
     chapter = get_chapter(args.chapter)
+    overrides = dict(args.set or [])
     if args.env:
         get_environment(args.env)
+        if "environment" in notebook_parameters(chapter):  # chapters that measure take it as a parameter
+            overrides.setdefault("environment", args.env)
     _check_inputs()
-    overrides = dict(args.set or [])
     parameters = load_parameters(chapter, args.params, overrides)
     output = Path(args.output) if args.output else project_root() / "_build" / "runs" / f"{chapter.name}.ipynb"
     print(f"running chapter {chapter.name!r} with parameters {parameters or '(defaults)'}")
     execute(chapter, parameters, output=output)
     print(f"executed notebook: {output}")
+    return 0
+
+
+def _cmd_venv(args) -> int:
+    from spectie.reproduce import create_venv
+
+    create_venv(args.env)
     return 0
 
 
@@ -109,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--env", help="environment id from environments/ this host stands for")
     p.add_argument("--output", help="where to write the executed notebook (default _build/runs/)")
     p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser("venv", help="create .venvs/<env> with that environment's official vLLM (GPU hosts)")
+    p.add_argument("env", help="environment id from environments/")
+    p.set_defaults(func=_cmd_venv)
 
     p = sub.add_parser("stale", help="say which chapters would be re-executed")
     p.set_defaults(func=_cmd_stale)

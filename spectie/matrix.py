@@ -1,12 +1,15 @@
 """The reproduction chapter's configuration matrix: engine configurations as data (YAML), checked
 before any engine starts, and turned into vLLM's public `LLM(...)` arguments.
 
-Work in progress for issue #4: the runner (one child process per configuration) is not written yet.
+A matrix file has `defaults` (per-configuration fields), `engine` (engine arguments every
+configuration shares, e.g. `dtype` or the CPU backend's `kv_cache_memory_bytes`), `environment`
+(environment variables every engine process gets), `baseline` (the id every configuration is
+compared with) and `configurations`. spectie.reproduce runs it.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from spectie.errors import UsageError, read_yaml
@@ -33,9 +36,9 @@ class EngineConfig:
     batch_invariant: bool = False
 
     def llm_kwargs(self, model: str, dtype: str, **extra) -> dict:
-        """Keyword arguments of `vllm.LLM` for this configuration."""
-        kwargs = dict(model=model, dtype=dtype, enforce_eager=self.enforce_eager,
-                      enable_prefix_caching=self.enable_prefix_caching, seed=0, **extra)
+        """Keyword arguments of `vllm.LLM` for this configuration (`extra`: shared engine arguments)."""
+        kwargs = dict(model=model, dtype=dtype, seed=0, **extra)
+        kwargs.update(enforce_eager=self.enforce_eager, enable_prefix_caching=self.enable_prefix_caching)
         if self.method != "none":
             kwargs["speculative_config"] = {"method": self.method, "num_speculative_tokens": self.k}
         if self.cudagraph_mode is not None:
@@ -78,6 +81,70 @@ def _check(entry: dict, where: str) -> None:
     for field in ("max_tokens", "repeats"):
         if not isinstance(entry.get(field), int) or entry[field] < 1:
             raise UsageError(f"{where}: {field} must be an integer >= 1, got {entry.get(field)!r}")
+
+
+@dataclass(frozen=True)
+class Matrix:
+    name: str
+    path: str
+    configs: tuple[EngineConfig, ...]
+    baseline: str | None  # id of the configuration every other one is compared with
+    engine: dict = field(default_factory=dict)  # engine arguments shared by every configuration
+    environment: dict = field(default_factory=dict)  # environment variables of every engine process
+    parallel: int = 1  # engines running at once (1 on a GPU host: one engine holds the GPU)
+
+    def select(self, ids: list[str] | None) -> "Matrix":
+        """Only the named configurations (plus the baseline, which the comparison needs)."""
+        if not ids:
+            return self
+        known = {c.id for c in self.configs}
+        unknown = [i for i in ids if i not in known]
+        if unknown:
+            raise UsageError(f"matrix {self.name!r} has no configuration(s) {', '.join(unknown)}; "
+                             f"valid: {', '.join(sorted(known))}")
+        keep = set(ids) | ({self.baseline} if self.baseline else set())
+        return replace(self, configs=tuple(c for c in self.configs if c.id in keep))
+
+
+def matrix_path(name_or_path: str | Path | None) -> Path:
+    """A matrix by name (a file in spectie/matrices/) or by path; default: the incident's."""
+    if name_or_path is None:
+        return MATRICES / "incident.yaml"
+    path = Path(name_or_path)
+    if path.suffix not in (".yaml", ".yml") and not path.exists():
+        named = MATRICES / f"{name_or_path}.yaml"
+        if not named.is_file():
+            valid = ", ".join(sorted(p.stem for p in MATRICES.glob("*.yaml")))
+            raise UsageError(f"unknown matrix {str(name_or_path)!r}; give a YAML file or one of: {valid}")
+        return named
+    return path
+
+
+def read_matrix(name_or_path: str | Path | None = None) -> Matrix:
+    """A matrix file, validated: its configurations (expanded per K), baseline, engine arguments."""
+    path = matrix_path(name_or_path)
+    configs = load_matrix(path)
+    data = read_yaml(path, "matrix file")
+    unknown = sorted(set(data) - {"defaults", "engine", "environment", "baseline", "parallel", "configurations"})
+    if unknown:
+        raise UsageError(f"{path.name}: unknown top-level key(s) {', '.join(unknown)}; valid: defaults, "
+                         "engine, environment, baseline, parallel, configurations")
+    parallel = data.get("parallel", 1)
+    if not isinstance(parallel, int) or isinstance(parallel, bool) or parallel < 1:
+        raise UsageError(f"{path.name}: parallel must be an integer >= 1, got {parallel!r}")
+    engine, environment = data.get("engine") or {}, data.get("environment") or {}
+    for key, value in (("engine", engine), ("environment", environment)):
+        if not isinstance(value, dict):
+            raise UsageError(f"{path.name}: '{key}' must be a mapping")
+    reserved = sorted(set(engine) & {"model", "enforce_eager", "enable_prefix_caching", "speculative_config"})
+    if reserved:
+        raise UsageError(f"{path.name}: engine argument(s) {', '.join(reserved)} are set per configuration")
+    baseline = data.get("baseline")
+    if baseline is not None and baseline not in {c.id for c in configs}:
+        raise UsageError(f"{path.name}: baseline {baseline!r} is not a configuration id")
+    ordered = sorted(configs, key=lambda c: c.id != baseline)  # the baseline runs first
+    return Matrix(path.stem, str(path), tuple(ordered), baseline, dict(engine),
+                  {str(k): str(v) for k, v in environment.items()}, parallel)
 
 
 def load_matrix(path: str | Path | None = None) -> list[EngineConfig]:

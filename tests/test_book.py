@@ -34,7 +34,7 @@ def _text(html_file: Path) -> str:
 
 def test_the_first_build_executes_every_chapter_without_warnings(built):
     root, result = built
-    assert "executed 3 chapter(s): incident, margins, environments" in result.stdout
+    assert "executed 4 chapter(s): incident, margins, reproduce, environments" in result.stdout
     assert "build succeeded" in result.stdout
     assert "WARNING:" not in result.stdout + result.stderr  # Sphinx's warnings (-W turns them into errors)
 
@@ -68,6 +68,24 @@ def test_the_margins_chapter_ran_the_organism_and_wrote_measured_records(built):
         record = json.loads(path.read_text())
         assert record["provenance"] == "measured" and record["fingerprint"]["torch"]
         assert record["parameters"]["model"] == "organism"
+
+
+def test_the_reproduce_chapter_ran_vllm_on_the_organism(built):
+    """The real CPU build of vLLM ran the CPU matrix during the build; the page shows its records."""
+    root, _ = built
+    text = _text(root / "_build" / "html" / "generated" / "reproduce.html")
+    for expected in ("What ran here by default is not the incident's setup", "vLLM 0.32.0 ( cpu )",
+                     "Reported and measured, side by side", "reported", "measured", "What this backend could not run"):
+        assert expected in text, expected
+    records = {json.loads(p.read_text())["parameters"]["configuration"]: json.loads(p.read_text())
+               for p in (root / "results" / "measured").glob("cpu-*/reproduce/*.json")}
+    assert {"plain", "mtp-k1", "mtp-k3", "mtp-k8", "ngram", "ngram_gpu"} <= set(records)
+    for name in ("plain", "mtp-k1", "mtp-k3"):
+        results = records[name]["results"]
+        assert results["status"] == "ok" and results["runs_total"] == 10, name
+        assert records[name]["fingerprint"]["vllm"] == "0.32.0"
+    assert records["ngram_gpu"]["results"]["status"] in ("unsupported", "crashed")
+    assert records["ngram_gpu"]["results"]["error"]["message"]
 
 
 def test_a_second_build_executes_nothing(built):

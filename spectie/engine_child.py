@@ -1,0 +1,141 @@
+"""One vLLM engine in its own process: the reproduction chapter's child (run by spectie.reproduce).
+
+It imports only the standard library and vLLM, so it runs in any environment's interpreter (the
+project's `.venv` with the CPU build of vLLM, or an environment's own venv with the official wheel).
+
+    python -m spectie.engine_child probe             # vLLM version, platform, accepted engine arguments
+    python -m spectie.engine_child run request.json  # one engine, `repeats` greedy generations
+
+It reports on stdout, one JSON event per line after the marker `@@spectie `; every other line is
+vLLM's own log. Events: started, engine_ready, repeat (one per finished generation, so a crash
+later loses nothing), error (with the phase it happened in and the traceback's last lines), done.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+import traceback
+
+MARKER = "@@spectie "
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens")
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def emit(event: str, **fields) -> None:
+    print(MARKER + json.dumps({"event": event, **fields}), flush=True)
+
+
+def token_hash(token_ids) -> str:
+    return hashlib.sha256(json.dumps(list(token_ids)).encode()).hexdigest()[:16]
+
+
+def probe() -> dict:
+    """What the installed vLLM offers: version, platform, engine argument names, speculative methods."""
+    import dataclasses
+    import platform
+    import typing
+
+    import torch
+    import transformers
+    import vllm
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+
+    methods = []
+    try:
+        from vllm.config.speculative import SpeculativeMethod
+
+        def flatten(tp):
+            args = typing.get_args(tp)
+            return [a for arg in args for a in (flatten(arg) if typing.get_args(arg) else [arg])]
+
+        methods = sorted({m for m in flatten(SpeculativeMethod) if isinstance(m, str)})
+    except Exception:  # older vLLM: no such type; the engine will say
+        pass
+    return {"vllm_version": vllm.__version__, "platform": str(current_platform.device_type),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
+            "python": platform.python_version(),
+            "engine_args": sorted(f.name for f in dataclasses.fields(EngineArgs)),
+            "speculative_methods": methods}
+
+
+def spec_counters(llm) -> dict:
+    """vLLM's speculative-decoding counters so far (empty without speculation or without stats)."""
+    counters = {}
+    try:
+        for metric in llm.get_metrics():
+            if metric.name in SPEC_COUNTERS:
+                counters[metric.name.removeprefix("vllm:spec_decode_")] = int(metric.value)
+            elif metric.name == PER_POSITION:
+                counters["accepted_per_position"] = [int(v) for v in metric.values]
+    except Exception:  # metrics are optional evidence; a vLLM without them still runs the matrix
+        pass
+    return counters
+
+
+def difference(after: dict, before: dict) -> dict:
+    out = {}
+    for key, value in after.items():
+        if isinstance(value, list):
+            old = before.get(key) or [0] * len(value)
+            out[key] = [a - b for a, b in zip(value, old)]
+        else:
+            out[key] = value - before.get(key, 0)
+    return out
+
+
+def run(request: dict) -> None:
+    phase = "import"
+    try:
+        import vllm
+        from vllm import LLM, SamplingParams
+
+        emit("started", vllm_version=vllm.__version__)
+        phase = "engine"
+        started = time.monotonic()
+        llm = LLM(**request["llm_kwargs"])
+        config = llm.llm_engine.vllm_config
+        emit("engine_ready", seconds=round(time.monotonic() - started, 2),
+             model_runner="V2" if getattr(config, "use_v2_model_runner", False) else "V1",
+             platform=str(config.device_config.device_type) if config.device_config else None)
+        phase = "generate"
+        tokenizer = llm.get_tokenizer()
+        sampling = SamplingParams(**request["sampling"])
+        prompt = {"prompt_token_ids": request["prompt_token_ids"]}
+        tail = request.get("tail_tokens", 8)
+        for index in range(request["repeats"]):
+            before = spec_counters(llm)
+            started = time.monotonic()
+            output = llm.generate([prompt], sampling, use_tqdm=False)[0].outputs[0]
+            ids = list(output.token_ids)
+            emit("repeat", index=index, seconds=round(time.monotonic() - started, 3),
+                 finish_reason=output.finish_reason, stop_reason=output.stop_reason,
+                 token_ids=ids, token_hash=token_hash(ids), output_tokens=len(ids),
+                 tail_tokens=tokenizer.convert_ids_to_tokens(ids[-tail:]),
+                 tail_text=output.text[-160:], speculation=difference(spec_counters(llm), before))
+        emit("done")
+    except BaseException as error:  # recorded by the parent; the matrix goes on
+        lines = traceback.format_exc().strip().splitlines()
+        emit("error", phase=phase, type=type(error).__name__, message=str(error)[-2000:],
+             traceback_tail=lines[-25:])
+        sys.exit(1)
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["probe"]:
+        emit("probe", **probe())
+        return 0
+    if len(argv) == 2 and argv[0] == "run":
+        with open(argv[1], encoding="utf-8") as handle:
+            run(json.load(handle))
+        return 0
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

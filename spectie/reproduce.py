@@ -1,0 +1,473 @@
+"""The reproduction chapter's runner: a configuration matrix through vLLM, one child process per engine.
+
+Before any engine starts, everything is checked: the matrix, the model path, that the target
+interpreter has vLLM, and that this vLLM accepts every engine argument and speculative method of the
+matrix. Then each configuration runs in its own process (spectie.engine_child): one engine, reused
+for all its repeats. A crash, an out-of-memory or a configuration the backend rejects becomes a
+record (`status: unsupported | crashed`, with the error's last lines) and the matrix goes on. Each
+configuration's record is written as soon as it finishes; a later run with the same request skips
+it (resume after an interruption).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from spectie.engine_child import MARKER
+from spectie.errors import UsageError
+from spectie.matrix import EngineConfig, Matrix
+from spectie.paths import project_root
+
+CHAPTER = "reproduce"
+TAIL_LINES = 30  # lines of the child's log kept in a record of a failed configuration
+OUT_OF_MEMORY = ("OutOfMemoryError", "MemoryError")
+
+
+# ----------------------------------------------------------------------------------------- checks
+def engine_python(environment: str) -> Path:
+    """The interpreter whose vLLM runs the engines: this one for `cpu`, else the environment's venv."""
+    if environment == "cpu":
+        return Path(sys.executable)
+    return project_root() / ".venvs" / environment / "bin" / "python"
+
+
+def child_environment(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    root = str(project_root())
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(extra or {})
+    return env
+
+
+def probe_vllm(environment: str, python: Path | None = None) -> dict:
+    """vLLM's version, platform, engine arguments and speculative methods, from the target interpreter."""
+    python = python or engine_python(environment)
+    hint = ("run `make setup` (installs the CPU build of vLLM on x86-64 Linux without a GPU)" if environment == "cpu"
+            else f"run `make venv ENV={environment}` (installs that environment's vLLM into .venvs/{environment})")
+    if not python.exists():
+        raise UsageError(f"environment {environment!r}: no interpreter at {python}; {hint}")
+    result = subprocess.run([str(python), "-m", "spectie.engine_child", "probe"], capture_output=True, text=True,
+                            env=child_environment(), timeout=600)
+    for line in result.stdout.splitlines():
+        if line.startswith(MARKER):
+            return json.loads(line[len(MARKER):])
+    tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-5:])
+    raise UsageError(f"environment {environment!r}: vLLM does not import in {python}; {hint}\n{tail}")
+
+
+def check_matrix(matrix: Matrix, probe: dict, extra_engine: dict | None = None) -> None:
+    """Every engine argument and speculative method of the matrix must exist in the installed vLLM."""
+    accepted = set(probe["engine_args"])
+    version = probe["vllm_version"]
+    engine = {**matrix.engine, **(extra_engine or {})}
+    for config in matrix.configs:
+        kwargs = config.llm_kwargs("model", engine.get("dtype", "auto"),
+                                   **{k: v for k, v in engine.items() if k != "dtype"})
+        missing = sorted(set(kwargs) - accepted)
+        if missing:
+            raise UsageError(f"configuration {config.id!r}: engine argument(s) {', '.join(missing)} are not "
+                             f"accepted by the installed vLLM {version} (it lacks them); remove them from "
+                             f"{matrix.path} or use an environment with a vLLM that has them")
+        methods = probe.get("speculative_methods") or []
+        if config.method != "none" and methods and config.method not in methods:
+            raise UsageError(f"configuration {config.id!r}: vLLM {version} has no speculative method "
+                             f"{config.method!r}; it has: {', '.join(methods)}")
+
+
+def resolve_model(model: str) -> str:
+    """`organism` (built by make setup), a model folder with a config.json, or a hub id (owner/name)."""
+    from spectie.margins import resolve_model as resolve
+    from spectie.organism import organism_dir
+
+    if model == "organism":
+        if not (organism_dir() / "model.safetensors").is_file():
+            raise UsageError(f"the organism is not built ({organism_dir()}): run `make setup`")
+        return str(organism_dir())
+    return resolve(model)
+
+
+def build_prompt(model_path: str, tokens: int, seed: int, template: str):
+    """The #3 prompt (a `[DATA]` listing cut after `name=`) in the model's own tokenizer."""
+    from transformers import AutoTokenizer
+
+    from spectie.prompts import PromptSpec, build_prompt as build
+
+    spec = PromptSpec(tokens=tokens, seed=seed, template=template).check()
+    return build(spec, AutoTokenizer.from_pretrained(model_path))
+
+
+# ---------------------------------------------------------------------------------------- running
+@dataclass
+class Outcome:
+    """What one child process reported."""
+
+    status: str = "ok"  # ok | unsupported | crashed | interrupted
+    vllm_version: str | None = None
+    engine_seconds: float | None = None
+    model_runner: str | None = None
+    platform: str | None = None
+    repeats: list[dict] = field(default_factory=list)
+    error: dict | None = None
+    log_tail: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def request_for(config: EngineConfig, matrix: Matrix, model: str, prompt_ids: list[int],
+                extra_engine: dict | None = None) -> dict:
+    engine = {**matrix.engine, **(extra_engine or {})}
+    kwargs = config.llm_kwargs(model, engine.get("dtype", "auto"),
+                               **{k: v for k, v in engine.items() if k != "dtype"})
+    kwargs.setdefault("disable_log_stats", False)  # speculative acceptance counters
+    return {"llm_kwargs": kwargs, "sampling": config.sampling_kwargs(), "prompt_token_ids": list(prompt_ids),
+            "repeats": config.repeats, "tail_tokens": 8,
+            "environment": {**matrix.environment, **config.environment()}}
+
+
+def request_key(request: dict, vllm_version: str, content_hash: str) -> str:
+    """Identity of a run: same key, same engine arguments, prompt, sampling, repeats, vLLM and code."""
+    text = json.dumps({**request, "vllm_version": vllm_version, "content_hash": content_hash}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+_RUNNING: set = set()  # engine processes running now (killed together on an interruption)
+
+
+def kill_running() -> None:
+    for process in list(_RUNNING):
+        try:
+            os.killpg(process.pid, 9)
+        except ProcessLookupError:
+            pass
+
+
+def slot_environment(slot: int, parallel: int, platform: str) -> dict:
+    """Engines that run side by side on a CPU each get a core of their own (`slot`).
+
+    Two CPU engines that both bind their OpenMP threads to core 0 (vLLM's automatic binding) spin
+    against each other and hang; one core each runs them in the time of one (measured on 2 cores).
+    """
+    if parallel < 2 or platform != "cpu":
+        return {}
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(slot % (os.cpu_count() or 1)), "OMP_NUM_THREADS": "1"}
+
+
+def run_child(python: Path, request: dict, log_path: Path, on_event=lambda event: None,
+              cancelled=lambda: False, extra_environment: dict | None = None) -> Outcome:
+    """Run one configuration in a child process; every event is passed to `on_event` as it arrives.
+
+    Ctrl-C (here, or `cancelled()` turning true after kill_running()) kills the engine and returns
+    what finished, with status `interrupted`.
+    """
+    outcome, tail = Outcome(), deque(maxlen=TAIL_LINES)
+    started = time.monotonic()
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
+        json.dump(request, handle)
+    command = [str(python), "-m", "spectie.engine_child", "run", handle.name]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=child_environment({**request["environment"], **(extra_environment or {})}),
+                               start_new_session=True)
+    _RUNNING.add(process)
+    try:
+        with log_path.open("w", encoding="utf-8") as log:
+            for line in process.stdout:
+                if not line.startswith(MARKER):
+                    log.write(line)
+                    tail.append(line.rstrip("\n"))
+                    continue
+                event = json.loads(line[len(MARKER):])
+                kind = event.pop("event")
+                if kind == "started":
+                    outcome.vllm_version = event["vllm_version"]
+                elif kind == "engine_ready":
+                    outcome.engine_seconds, outcome.model_runner = event["seconds"], event["model_runner"]
+                    outcome.platform = event["platform"]
+                elif kind == "repeat":
+                    outcome.repeats.append(event)
+                elif kind == "error":
+                    outcome.error = event
+                on_event({"event": kind, **event})
+        returncode = process.wait()
+        if cancelled():
+            outcome.status = "interrupted"
+    except KeyboardInterrupt:  # the caller records what finished, then stops
+        os.killpg(process.pid, 9)
+        process.wait()
+        outcome.status = "interrupted"
+    finally:
+        _RUNNING.discard(process)
+        Path(handle.name).unlink(missing_ok=True)
+        outcome.seconds = round(time.monotonic() - started, 1)
+        outcome.log_tail = list(tail)
+    if outcome.status == "interrupted":
+        return outcome
+    if outcome.error is None and returncode != 0:
+        outcome.error = {"phase": "engine" if outcome.engine_seconds is None else "generate",
+                         "type": f"exit status {returncode}", "message": "the engine process died without "
+                         "reporting an error (killed, out of memory, or a crash in native code)",
+                         "traceback_tail": []}
+    if outcome.error is not None:
+        # The engine could not be set up for this configuration: the backend does not support it.
+        # Failing later (while generating), dying, or running out of memory is a crash.
+        refused = outcome.error["phase"] in ("import", "engine") and outcome.error["type"] not in OUT_OF_MEMORY \
+            and not outcome.error["type"].startswith("exit status")
+        outcome.status = "unsupported" if refused else "crashed"
+    elif len(outcome.repeats) < request["repeats"]:
+        outcome.status = "crashed"
+    return outcome
+
+
+# ---------------------------------------------------------------------------------------- results
+def first_divergence(tokens: list[int], reference: list[int]) -> int | None:
+    """Index of the first output token that differs (or where one sequence ends), None if identical."""
+    for index, (a, b) in enumerate(zip(tokens, reference)):
+        if a != b:
+            return index
+    return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
+
+
+def summarize(outcome: Outcome, config: EngineConfig, prompt_len: int, baseline: list[int] | None) -> dict:
+    """The record's results: status, per-repeat outcomes, distinct outputs, the baseline comparison."""
+    repeats = []
+    for r in outcome.repeats:
+        divergence = first_divergence(r["token_ids"], baseline) if baseline is not None else None
+        repeats.append({
+            "finish_reason": r["finish_reason"], "stop_reason": r["stop_reason"], "output_tokens": r["output_tokens"],
+            "stop_position": prompt_len + r["output_tokens"] if r["finish_reason"] == "stop" else None,
+            "token_hash": r["token_hash"], "token_ids": r["token_ids"], "tail_tokens": r["tail_tokens"],
+            "tail_text": r["tail_text"], "seconds": r["seconds"], "speculation": r.get("speculation") or {},
+            "same_as_baseline": None if baseline is None else divergence is None,
+            "first_divergence": divergence,
+        })
+    stopped = [r for r in repeats if r["finish_reason"] == "stop"]
+    results = {
+        "status": outcome.status,
+        "stopped_early": bool(stopped) if repeats else None,
+        "runs_stopped": len(stopped),
+        "runs_total": len(repeats),
+        "finish_reason": repeats[0]["finish_reason"] if len({r["finish_reason"] for r in repeats}) == 1 else None,
+        "output_tokens_before_stop": stopped[0]["output_tokens"] if stopped else None,
+        "stop_offset_from_prompt_len": stopped[0]["output_tokens"] if stopped else None,
+        "stop_position": stopped[0]["stop_position"] if stopped else None,
+        "tail_text": stopped[0]["tail_text"] if stopped else None,
+        "identical_outputs": len({r["token_hash"] for r in repeats}) == 1 if repeats else None,
+        "distinct_outputs": len({r["token_hash"] for r in repeats}),
+        "prompt_tokens": prompt_len,
+        "repeats": repeats,
+        "vllm_version": outcome.vllm_version,
+        "backend": outcome.platform,
+        "model_runner_used": outcome.model_runner,
+        "engine_start_seconds": outcome.engine_seconds,
+        "seconds": outcome.seconds,
+    }
+    if outcome.error is not None:
+        results["error"] = {**outcome.error, "log_tail": outcome.log_tail}
+    return results
+
+
+def record_id(matrix: Matrix, config: EngineConfig, environment: str) -> str:
+    from spectie.fingerprint import host_id
+
+    return f"reproduce-{environment}-{matrix.name}-{config.id}-{host_id()}".lower().replace("_", "-")
+
+
+def make_record(config: EngineConfig, matrix: Matrix, request: dict, results: dict, environment: str,
+                model_label: str, probe: dict, key: str, started_at: str, content_hash: str) -> dict:
+    from spectie.fingerprint import measured_record
+
+    kwargs = request["llm_kwargs"]
+    parameters = {
+        "method": config.method, "num_speculative_tokens": config.k, "model_runner": config.model_runner,
+        "enforce_eager": config.enforce_eager, "cudagraph_mode": config.cudagraph_mode,
+        "enable_prefix_caching": config.enable_prefix_caching, "max_tokens": config.max_tokens,
+        "temperature": config.temperature, "prompt_tokens": len(request["prompt_token_ids"]),
+        "configuration": config.id, "matrix": matrix.name, "baseline": matrix.baseline, "model": model_label,
+        "repeats": config.repeats, "batch_invariant": config.batch_invariant, "llm_kwargs": kwargs,
+        "environment_variables": request["environment"], "request_key": key,
+    }
+    record = measured_record(
+        record_id=record_id(matrix, config, environment), kind="engine-outcome", chapter=CHAPTER,
+        title=f"vLLM {probe['vllm_version']} ({probe['platform']}): {config.id}", environment=environment,
+        parameters=parameters, results=results, started_at=started_at, content_hash=content_hash,
+        dtype=str(kwargs.get("dtype")))
+    # The engine ran in the target interpreter: its library versions are the ones that count.
+    for name in ("torch", "transformers", "cuda", "python"):
+        record["fingerprint"][name] = probe[name]
+    record["fingerprint"]["vllm"] = probe["vllm_version"]
+    record["fingerprint"]["vllm_platform"] = probe["platform"]
+    return record
+
+
+def existing_record(path: Path, key: str) -> dict | None:
+    """The record of an earlier run of exactly this request (resume), if one finished."""
+    from spectie.records import RecordError, read_record
+
+    if not path.is_file():
+        return None
+    try:
+        record = read_record(path)
+    except RecordError:
+        return None
+    if record["parameters"].get("request_key") != key or record["results"].get("status") == "interrupted":
+        return None
+    return record
+
+
+def remaining_estimate(finished: list[tuple[Outcome, int]], left: list[EngineConfig], parallel: int) -> float:
+    """Seconds still to go: measured engine overhead and seconds per repeat, applied to what is left."""
+    repeats = sum(len(o.repeats) for o, _ in finished)
+    repeat_seconds = sum(r["seconds"] for o, _ in finished for r in o.repeats)
+    overhead = (sum(o.seconds for o, _ in finished) - repeat_seconds) / len(finished)
+    per_repeat = repeat_seconds / repeats if repeats else 0.0
+    return sum(overhead + c.repeats * per_repeat for c in left) / max(1, min(parallel, len(left)))
+
+
+def run_matrix(matrix: Matrix, model: str, prompt_ids: list[int], environment: str, probe: dict,
+               content_hash: str, extra_engine: dict | None = None, model_label: str | None = None,
+               resume: bool = True, progress: bool = True, results_dir: Path | None = None,
+               log=print) -> list[dict]:
+    """Run every configuration, `matrix.parallel` engines at a time (the baseline first); write and
+    return one record per configuration, in matrix order."""
+    import queue
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tqdm import tqdm
+
+    from spectie.fingerprint import host_id, now
+    from spectie.records import measured_path, write_record
+
+    python = engine_python(environment)
+    logs = project_root() / "_build" / "logs" / CHAPTER
+    configs = list(matrix.configs)
+    overall = tqdm(total=sum(c.repeats for c in configs), desc="matrix", unit="run", disable=not progress,
+                   file=sys.stderr, position=0)
+    lock = threading.Lock()
+    baseline_done = threading.Event()
+    baseline_tokens: list[int] | None = None
+    finished: list[tuple[Outcome, int]] = []
+    started_configs: list[str] = []
+    interrupted = threading.Event()
+    slots: queue.Queue = queue.Queue()
+    for slot in range(matrix.parallel):
+        slots.put(slot)
+
+    def path_of(config: EngineConfig) -> Path:
+        rid = record_id(matrix, config, environment)
+        return measured_path({"environments": [environment], "chapter": CHAPTER, "id": rid,
+                              "fingerprint": {"host_id": host_id()}}, results_dir)
+
+    def set_baseline(record: dict) -> None:
+        nonlocal baseline_tokens
+        repeats = record["results"]["repeats"]
+        baseline_tokens = repeats[0]["token_ids"] if repeats else None
+        baseline_done.set()
+
+    def run_one(number: int, config: EngineConfig) -> dict:
+        request = request_for(config, matrix, model, prompt_ids, extra_engine)
+        key = request_key(request, probe["vllm_version"], content_hash)
+        path = path_of(config)
+        is_baseline = config.id == matrix.baseline
+        done = existing_record(path, key) if resume else None
+        if done is not None:
+            log(f"[{number}/{len(configs)}] {config.id}: recorded earlier ({done['results']['status']}), skipped")
+            overall.update(config.repeats)
+            if is_baseline:
+                set_baseline(done)
+            return done
+        if interrupted.is_set():
+            raise KeyboardInterrupt
+        with lock:
+            started_configs.append(config.id)
+            left = [c for c in configs if c.id not in started_configs]
+            eta = (f", about {remaining_estimate(finished, [config] + left, matrix.parallel) / 60:.1f} min left"
+                   if finished else "")
+        log(f"[{number}/{len(configs)}] {config.id}: starting an engine{eta}")
+        bar = tqdm(total=config.repeats, desc=config.id, unit="run", leave=False, disable=not progress,
+                   file=sys.stderr, position=1 + (number - 1) % matrix.parallel)
+
+        def on_event(event):
+            if event["event"] == "repeat":
+                bar.update(1)
+                overall.update(1)
+            elif event["event"] == "engine_ready":
+                bar.set_postfix_str(f"engine ready in {event['seconds']:.0f} s")
+
+        started_at = now()
+        slot = slots.get()
+        placement = slot_environment(slot, matrix.parallel, probe["platform"])
+        try:
+            outcome = run_child(python, request, logs / f"{path.stem}.log", on_event, interrupted.is_set, placement)
+        finally:
+            slots.put(slot)
+            bar.close()
+        overall.update(config.repeats - len(outcome.repeats))
+        if not is_baseline and matrix.baseline:
+            baseline_done.wait()  # the comparison needs the baseline's tokens
+        results = summarize(outcome, config, len(prompt_ids), None if is_baseline else baseline_tokens)
+        results["placement"] = placement  # extra environment of this engine (its CPU core), if any
+        done = make_record(config, matrix, request, results, environment, model_label or model, probe, key,
+                           started_at, content_hash)
+        write_record(done, path)
+        with lock:
+            finished.append((outcome, config.repeats))
+        if is_baseline:
+            set_baseline(done)
+        if outcome.status == "interrupted":
+            interrupted.set()
+            raise KeyboardInterrupt(f"interrupted during {config.id}; its finished repeats are in {path}")
+        log(f"    {config.id}: {outcome.status}, {results['runs_stopped']}/{results['runs_total']} stopped, "
+            f"{outcome.seconds:.0f} s")
+        return done
+
+    if matrix.baseline is None:
+        baseline_done.set()
+    try:
+        with ThreadPoolExecutor(max_workers=matrix.parallel) as pool:
+            futures = [pool.submit(run_one, n, c) for n, c in enumerate(configs, 1)]
+            try:
+                return [f.result() for f in futures]
+            except BaseException:
+                interrupted.set()
+                baseline_done.set()
+                for f in futures:
+                    f.cancel()
+                kill_running()  # running engines stop; their finished repeats are recorded
+                raise
+    finally:
+        overall.close()
+
+
+# ------------------------------------------------------------------------------ environment venvs
+def create_venv(environment: str, log=print) -> Path:
+    """.venvs/<environment> with that environment's official vLLM wheel (for GPU hosts)."""
+    from spectie.environments import get_environment
+
+    env = get_environment(environment)
+    if environment == "cpu":
+        raise UsageError("the cpu environment uses the project's .venv (make setup installs vllm-cpu there)")
+    version = env["vllm"].get("version")
+    if not version:
+        steps = "\n  ".join(env.get("install") or [])
+        raise UsageError(f"environment {environment!r} pins a vLLM commit ({env['vllm'].get('commit')}), not a "
+                         f"release: install it by hand into .venvs/{environment} with its steps:\n  {steps}")
+    python = engine_python(environment)
+    folder = python.parent.parent
+    if not python.exists():
+        log(f"creating {folder}")
+        subprocess.run([sys.executable, "-m", "venv", str(folder)], check=True)
+    log(f"installing vllm=={version} into {folder} (the official wheel; pulls its own CUDA build of torch)")
+    subprocess.run([str(python), "-m", "pip", "install", f"vllm=={version}"], check=True)
+    probe = probe_vllm(environment, python)
+    log(f"vLLM {probe['vllm_version']} on {probe['platform']} (torch {probe['torch']}, CUDA {probe['cuda']}) "
+        f"ready in {folder}")
+    return python

