@@ -125,7 +125,7 @@ def style_outcomes(table: pd.DataFrame, column: str = "outcome"):
 
 
 def repeat_grid(records: list[dict], max_tokens: int, title: str):
-    """Configuration × repeat, each cell coloured by where generation stopped (white: ran to max_tokens)."""
+    """Configuration × repeat, each cell coloured by where generation stopped (pale green: ran to max_tokens)."""
     runs = measured_runs(records)
     width = max([len(r["results"]["repeats"]) for r in runs] + [r["parameters"]["repeats"] for r in runs] + [1])
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(runs) + 1.4))
@@ -136,7 +136,7 @@ def repeat_grid(records: list[dict], max_tokens: int, title: str):
             if col < len(repeats):
                 n = repeats[col]["output_tokens"]
                 stopped = repeats[col]["finish_reason"] == "stop"
-                colour = cmap(n / max_tokens) if stopped else "white"
+                colour = cmap(n / max_tokens) if stopped else "#d9ead3"
                 ax.add_patch(plt.Rectangle((col, row), 1, 1, facecolor=colour, edgecolor="black", linewidth=0.5))
                 ax.text(col + 0.5, row + 0.5, str(n), ha="center", va="center", fontsize=7,
                         color="white" if stopped and n / max_tokens < 0.6 else "black")
@@ -150,9 +150,32 @@ def repeat_grid(records: list[dict], max_tokens: int, title: str):
     ax.set_ylim(len(runs), 0)
     ax.set_yticks([i + 0.5 for i in range(len(runs))], [r["parameters"]["configuration"] for r in runs], fontsize=8)
     ax.set_xticks([i + 0.5 for i in range(width)], [str(i + 1) for i in range(width)], fontsize=8)
-    ax.set_xlabel(f"repeat (number: output tokens; coloured: stopped with EOS before {max_tokens}; "
-                  "white: reached max_tokens)")
+    ax.set_xlabel(f"repeat (number: output tokens; dark to yellow: stopped with EOS before {max_tokens}; "
+                  "pale green: reached max_tokens)")
     ax.set_title(title)
     fig.tight_layout()
     plt.close(fig)
     return fig
+
+
+def divergences(records: list[dict], baseline: str | None, pieces) -> list[dict]:
+    """For each distinct output that differs from the baseline: the first differing token on each side.
+
+    `pieces` turns token ids into the tokenizer's pieces (e.g. `tokenizer.convert_ids_to_tokens`).
+    """
+    base = next((r for r in records if r["parameters"]["configuration"] == baseline), None)
+    if base is None or not base["results"]["repeats"]:
+        return []
+    reference = base["results"]["repeats"][0]["token_ids"]
+    rows = []
+    for r in records:
+        distinct = {x["token_hash"]: x for x in r["results"]["repeats"] if x["first_divergence"] is not None}
+        for x in distinct.values():
+            at = x["first_divergence"]
+            ids = x["token_ids"]
+            rows.append({"configuration": r["parameters"]["configuration"], "output token": at,
+                         "context": " ".join(pieces(reference[max(0, at - 6):at])),
+                         f"{baseline} wrote": " ".join(pieces(reference[at:at + 1])) or "(ended)",
+                         "this wrote": " ".join(pieces(ids[at:at + 1])) or "(ended)",
+                         "output tokens": x["output_tokens"], f"{baseline} output tokens": len(reference)})
+    return rows

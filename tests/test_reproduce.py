@@ -43,6 +43,8 @@ for i in range(request["repeats"]):
         sys.exit(1)
     if mode == "die" and i == 1:
         os._exit(9)
+    if mode == "slow" and i == 1:
+        import time; time.sleep(60)
     n = int(request["environment"].get("FAKE_TOKENS", "5"))
     ids = list(range(100, 100 + n)) + [248044]
     emit("repeat", index=i, seconds=0.01, finish_reason="stop", stop_reason=None, token_ids=ids,
@@ -137,6 +139,22 @@ def test_resume_skips_configurations_recorded_by_an_identical_run(tmp_path, fake
                          progress=False, results_dir=tmp_path / "results", log=messages.append)
     assert any("spec: starting an engine" in m for m in messages)
     assert read_record(spec)["results"]["status"] == "ok"
+
+
+def test_an_interrupted_engine_is_killed_and_keeps_its_finished_repeats(tmp_path, fake_engine):
+    path = write_matrix(tmp_path, "configurations:\n  - {id: plain, method: none}\n")
+    request = reproduce.request_for(read_matrix(path).configs[0], read_matrix(path), "model", [1, 2, 3])
+    request["environment"]["FAKE_MODE"] = "slow"
+    stop = []
+
+    def on_event(event):
+        if event["event"] == "repeat":  # as Ctrl-C in run_matrix does: flag, then kill the engines
+            stop.append(True)
+            reproduce.kill_running()
+
+    outcome = reproduce.run_child(fake_engine, request, tmp_path / "log", on_event, cancelled=lambda: bool(stop))
+    assert outcome.status == "interrupted" and len(outcome.repeats) == 1 and outcome.seconds < 30
+    assert not reproduce._RUNNING
 
 
 def test_engine_arguments_the_installed_vllm_lacks_are_refused_before_any_engine(tmp_path):
