@@ -1,0 +1,140 @@
+"""Reduction-order sensitivity: the same logits computed in different shapes, and the noise band.
+
+A *shape* is how a server may compute the logits of a sequence it is decoding. Each one sums in its
+own order, so each one rounds differently in low precision:
+
+    full         one forward over the prompt and the continuation (GDN's chunked rule everywhere)
+    decode       the prompt in one forward, then one token per step on the cache (GDN's recurrent rule)
+    verify-K     the prompt, then steps of K+1 tokens on the cache: a speculative verify of width K+1
+                 (the chunked rule, started from the cached state)
+    verify-K@o   the same, with a first step of o tokens (0 < o <= K): the windows fall elsewhere
+                 relative to the GDN chunks (64 tokens)
+    prefill-C    everything in steps of C tokens on the cache: chunked prefill with chunk size C
+    batch-B      one forward of B sequences of the same length (this one and B-1 other prompts)
+
+Every shape is teacher-forced on one fixed token sequence (a prompt and the continuation the serving
+precision generated), so every shape predicts the same positions from the same context, and each
+costs one forward per step of the shape (a single forward for `full` and `batch-B`).
+
+The *noise band* of a shape is the 99th percentile, over positions, of how much the margin between
+the reference's top two tokens moves in that shape: two tokens closer than that can swap places
+when only the order of the sums changes. Flips (a different top-1 than the reference) are counted too.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from spectie.errors import UsageError
+
+GDN_CHUNK = 64  # transformers' torch_chunk_gated_delta_rule and fla's chunk kernels
+SHAPE_PATTERN = re.compile(r"^(full|decode|verify-(\d+)(?:@(\d+))?|prefill-(\d+)|batch-(\d+))$")
+BAND_QUANTILE = 0.99
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    kind: str  # full | decode | verify | prefill | batch
+    size: int = 0  # K for verify, C for prefill, B for batch
+    offset: int = 0  # verify only: length of the first step after the prompt
+
+    def steps(self, prompt: int, total: int) -> list[int]:
+        """Lengths of the forwards this shape makes over a sequence of `total` tokens whose first
+        `prompt` tokens are the prompt (its last row predicts the first generated token)."""
+        if self.kind in ("full", "batch"):
+            return [total]
+        if self.kind == "prefill":
+            return [min(self.size, total - start) for start in range(0, total, self.size)]
+        head = [prompt]
+        rest = total - prompt
+        width = 1 if self.kind == "decode" else self.size + 1
+        if self.kind == "verify" and self.offset:
+            head.append(min(self.offset, rest))
+            rest -= head[-1]
+        return head + [min(width, rest - start) for start in range(0, rest, width)]
+
+
+def parse_shape(text: str) -> Shape:
+    """A shape from its name; a clear error for anything else (e.g. prefill-0, verify-3@5)."""
+    match = SHAPE_PATTERN.match(str(text))
+    if not match:
+        raise UsageError(f"unknown shape {text!r}; valid: full, decode, verify-K, verify-K@offset, prefill-C, "
+                         "batch-B (K, C, B >= 1)")
+    _, k, offset, chunk, batch = match.groups()
+    if k is not None:
+        k, offset = int(k), int(offset or 0)
+        if k < 1:
+            raise UsageError(f"shape {text!r}: K (draft tokens) must be >= 1")
+        if offset > k:
+            raise UsageError(f"shape {text!r}: the offset must be between 0 and K ({k})")
+        return Shape(text, "verify", k, offset)
+    if chunk is not None:
+        if int(chunk) < 1:
+            raise UsageError(f"shape {text!r}: the chunk size must be >= 1 token")
+        return Shape(text, "prefill", int(chunk))
+    if batch is not None:
+        if int(batch) < 1:
+            raise UsageError(f"shape {text!r}: the batch size must be >= 1")
+        return Shape(text, "batch", int(batch))
+    return Shape(text, text)
+
+
+def shape_logits(model, ids: list[int], positions: list[int], shape: Shape, others: list[list[int]] = ()):
+    """Logits (float64, CPU) predicting the tokens at `positions`, computed in `shape`.
+
+    The output head runs only on the rows needed. `others`: the extra sequences of a batch shape
+    (each as long as `ids`).
+    """
+    import torch
+
+    device = next(model.parameters()).device
+    wanted = {p - 1: i for i, p in enumerate(positions)}  # row that predicts position p
+    result = [None] * len(positions)
+    with torch.no_grad():
+        if shape.kind == "batch":
+            batch = [ids] + [list(o) for o in others[:shape.size - 1]]
+            if len(batch) < shape.size or any(len(seq) != len(ids) for seq in batch):
+                raise UsageError(f"shape {shape.name}: needs {shape.size - 1} other sequences of {len(ids)} tokens")
+            hidden = model.model(input_ids=torch.tensor(batch, device=device)).last_hidden_state[0]
+            rows = hidden[torch.tensor(sorted(wanted), device=device)]
+            return model.lm_head(rows).double().cpu()
+        cache, start = None, 0
+        for length in shape.steps(min(wanted) + 1, len(ids)):
+            out = model.model(input_ids=torch.tensor([ids[start:start + length]], device=device),
+                              past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            inside = [row for row in range(start, start + length) if row in wanted]
+            if inside:
+                logits = model.lm_head(out.last_hidden_state[0, [row - start for row in inside]]).double().cpu()
+                for row, values in zip(inside, logits):
+                    result[wanted[row]] = values
+            start += length
+    return torch.stack(result)
+
+
+def compare(logits, reference) -> dict:
+    """How `logits` differ from `reference` (both [positions, vocab]): deviations, flips, margin shifts."""
+    import torch
+
+    deviation = (logits - reference).abs().amax(dim=1)  # worst logit per position
+    top2 = reference.topk(2, dim=1)
+    first, second = top2.indices[:, 0], top2.indices[:, 1]
+    rows = torch.arange(len(reference))
+    margin = (top2.values[:, 0] - top2.values[:, 1])
+    moved = (logits[rows, first] - logits[rows, second]) - margin  # change of the reference's top-2 margin
+    flipped = logits.argmax(dim=1) != first
+    quantiles = torch.quantile(deviation, torch.tensor([0.5, 0.9, 0.99], dtype=deviation.dtype))
+    return {
+        "positions": len(reference),
+        "max_deviation": float(deviation.max()),
+        "median_deviation": float(quantiles[0]),
+        "p90_deviation": float(quantiles[1]),
+        "p99_deviation": float(quantiles[2]),
+        "top1_disagreements": int(flipped.sum()),
+        "noise_band": float(torch.quantile(moved.abs(), BAND_QUANTILE)),
+        "largest_flipped_margin": float(margin[flipped].max()) if bool(flipped.any()) else None,
+        "pairs": [(float(m), bool(f)) for m, f in zip(margin, flipped)],
+        "margin_shifts": [float(x) for x in moved],
+    }
