@@ -138,3 +138,140 @@ def compare(logits, reference) -> dict:
         "pairs": [(float(m), bool(f)) for m, f in zip(margin, flipped)],
         "margin_shifts": [float(x) for x in moved],
     }
+
+
+def measure(model, dtype: str, ids: list[int], positions: list[int], shapes: list[Shape], reference,
+            others: list[list[int]] = (), label: dict | None = None, progress: bool = False) -> list[dict]:
+    """One row per shape: `compare` against the reference, plus top-1 disagreements with plain decode
+    in the same precision (what a speculative server is compared with)."""
+    from tqdm import tqdm
+
+    computed = {}
+    for shape in tqdm(shapes, desc=f"{dtype} shapes", disable=not progress, leave=False):
+        computed[shape.name] = shape_logits(model, ids, positions, shape, others)
+    decode = computed.get("decode")
+    rows = []
+    for shape in shapes:
+        logits = computed[shape.name]
+        row = {**(label or {}), "dtype": dtype, "shape": shape.name, "kind": shape.kind,
+               **compare(logits, reference)}
+        if decode is not None:
+            row["top1_vs_decode"] = int((logits.argmax(dim=1) != decode.argmax(dim=1)).sum())
+        rows.append(row)
+    return rows
+
+
+KERNELS = ("torch", "fla")
+DEFAULT_SHAPES = ("full", "decode", "verify-1", "verify-2", "verify-3", "verify-4", "verify-5", "verify-6", "verify-7",
+                  "verify-8", "verify-7@2", "verify-7@5", "prefill-64", "prefill-128", "prefill-512", "prefill-2048",
+                  "batch-1", "batch-4")
+
+
+def kernel_context(kernels: str):
+    """`torch`: transformers' reference GDN code; `fla`: flash-linear-attention's kernels (GPU only)."""
+    import contextlib
+    import importlib.util
+
+    from spectie.margins import reference_gdn_kernels
+
+    if kernels not in KERNELS:
+        raise UsageError(f"unknown kernel backend {kernels!r}; valid: {', '.join(KERNELS)}")
+    if kernels == "torch":
+        return reference_gdn_kernels()
+    if importlib.util.find_spec("fla") is None:
+        raise UsageError("kernels 'fla' need flash-linear-attention (pip install flash-linear-attention==0.6.0; "
+                         "GPU only: on a CPU-only machine it breaks transformers' GDN dispatch)")
+    return contextlib.nullcontext()
+
+
+def check_plan(device: str, dtypes: list[str], shapes: list[str], kernels: list[str], tf32: list[bool]) -> list[Shape]:
+    """Every parameter of a sweep, checked before any model is loaded."""
+    from spectie.margins import check_device, torch_dtype
+
+    check_device(device)
+    for dtype in dtypes:
+        torch_dtype(dtype)
+    for name in kernels:
+        if name not in KERNELS:
+            raise UsageError(f"unknown kernel backend {name!r}; valid: {', '.join(KERNELS)}")
+        if name == "fla" and device == "cpu":
+            raise UsageError("kernels 'fla' run only on a GPU (device=cuda)")
+    if any(tf32) and device == "cpu":
+        raise UsageError("TF32 exists only on NVIDIA GPUs: use tf32: [false] on CPU")
+    if not shapes:
+        raise UsageError("give at least one shape")
+    return [parse_shape(s) for s in shapes]
+
+
+def sweep(model_path: str, device: str, dtypes: list[str], shapes: list[str], kernels: list[str] = ("torch",),
+          tf32: list[bool] = (False,), prompt_tokens: int = 1845, prompt_seed: int = 0, new_tokens: int = 96,
+          reference_dtype: str = "float64", progress: bool = True) -> dict:
+    """Every (kernels, TF32, dtype, shape) against one reference: the prompt and the continuation that
+    bf16 greedy decoding writes (torch kernels), teacher-forced; the reference is a `full` forward in
+    `reference_dtype` through the torch kernels with TF32 off."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from spectie.margins import greedy_generate, load_model
+    from spectie.prompts import PromptSpec, build_prompt
+
+    plan = check_plan(device, list(dtypes), list(shapes), list(kernels), list(tf32))
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    prompt = build_prompt(PromptSpec(tokens=prompt_tokens, seed=prompt_seed), tokenizer)
+    eos = [tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+    batch = max([s.size for s in plan if s.kind == "batch"] + [1])
+    with kernel_context("torch"):
+        generator = load_model(model_path, "bfloat16", device)
+        generation = greedy_generate(generator, list(prompt.token_ids), new_tokens, eos)
+        del generator
+        ids = generation.ids
+        others = [list(build_prompt(PromptSpec(tokens=len(ids), seed=prompt_seed + 1 + i), tokenizer).token_ids)
+                  for i in range(batch - 1)]
+        positions = [generation.position(i) for i in range(len(generation.output_ids))]
+        reference_model = load_model(model_path, reference_dtype, device)
+        reference = shape_logits(reference_model, ids, positions, parse_shape("full"))
+        del reference_model
+    rows = []
+    for backend in kernels:
+        for tf32_on in tf32:
+            torch.backends.cuda.matmul.allow_tf32 = bool(tf32_on)
+            torch.backends.cudnn.allow_tf32 = bool(tf32_on)
+            with kernel_context(backend):
+                for dtype in dtypes:
+                    model = load_model(model_path, dtype, device)
+                    torch.backends.cuda.matmul.allow_tf32 = bool(tf32_on)  # load_model switches it off
+                    rows += measure(model, dtype, ids, positions, plan, reference, others,
+                                    {"kernels": backend, "tf32": bool(tf32_on)}, progress)
+                    del model
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return {"prompt": prompt.describe(), "output_tokens": len(generation.output_ids),
+            "finish_reason": generation.finish_reason, "positions": len(positions),
+            "reference": {"dtype": reference_dtype, "shape": "full", "kernels": "torch", "tf32": False},
+            "rows": rows}
+
+
+def measured_sweep_record(dump: dict, environment: str, chapter: str = "reduction_order") -> dict:
+    """A measured record from a sweep's dump (parameters, results, times, fingerprint of the host that ran it)."""
+    host = dump["fingerprint"]["host_id"]
+    return {
+        "schema_version": 1, "id": f"{chapter}-{environment}-organism-{host}".replace("_", "-"),
+        "provenance": "measured", "kind": "reduction-sweep", "chapter": chapter,
+        "title": f"Reduction-order sweep of the organism ({dump['parameters']['device']})",
+        "environments": [environment], "parameters": dump["parameters"], "results": dump["results"],
+        "fingerprint": dump["fingerprint"], "started_at": dump["started_at"], "finished_at": dump["finished_at"],
+        "package_version": __import__("spectie").__version__,
+        "content_hash": dump.get("content_hash") or _package_hash(),
+    }
+
+
+def _package_hash() -> str:
+    """Hash of the package code a sweep ran with (no notebook exists for it yet)."""
+    import hashlib
+
+    from spectie.paths import project_root
+
+    digest = hashlib.sha256()
+    for path in sorted((project_root() / "spectie").rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()

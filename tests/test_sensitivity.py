@@ -1,0 +1,110 @@
+"""Reduction-order shapes: each computes the same function; only rounding differs."""
+
+import pytest
+
+from spectie.errors import UsageError
+from spectie.sensitivity import compare, measure, parse_shape, shape_logits
+
+SHAPES = ["full", "decode", "verify-1", "verify-7", "verify-7@3", "prefill-64", "prefill-100", "batch-3"]
+
+
+@pytest.mark.parametrize("name", SHAPES[:-1])
+def test_steps_cover_the_sequence_once_and_keep_the_prompt_whole(name):
+    shape = parse_shape(name)
+    steps = shape.steps(150, 247)
+    assert sum(steps) == 247 and all(s >= 1 for s in steps)
+    if shape.kind in ("decode", "verify"):
+        assert steps[0] == 150
+        assert max(steps[1:]) == (1 if shape.kind == "decode" else shape.size + 1)
+
+
+@pytest.mark.parametrize("bad, message", [("prefill-0", "chunk size must be >= 1"), ("verify-0", r"K \(draft tokens\)"),
+                                          ("verify-2@3", "offset must be between 0 and K"),
+                                          ("fla-magic", "unknown shape"), ("batch-0", "batch size")])
+def test_bad_shapes_are_refused(bad, message):
+    with pytest.raises(UsageError, match=message):
+        parse_shape(bad)
+
+
+@pytest.fixture(scope="module")
+def organism_sequence():
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from spectie.margins import reference_gdn_kernels
+    from spectie.organism import organism_dir
+    from spectie.prompts import PromptSpec, build_prompt
+
+    if not (organism_dir() / "model.safetensors").is_file():
+        pytest.fail("the organism is missing: run make setup")
+    tokenizer = AutoTokenizer.from_pretrained(organism_dir())
+    prompts = [build_prompt(PromptSpec(tokens=160, seed=s), tokenizer).token_ids for s in range(3)]
+    models = {d: AutoModelForCausalLM.from_pretrained(organism_dir(), dtype=getattr(torch, d)).eval()
+              for d in ("float64", "bfloat16")}
+    ids = list(prompts[0])
+    positions = list(range(100, 160))  # teacher-forced on the prompt itself: 60 predicted positions
+    with reference_gdn_kernels():
+        reference = shape_logits(models["float64"], ids, positions, parse_shape("full"))
+    return models, ids, positions, reference, [list(p) for p in prompts[1:]]
+
+
+def test_every_shape_computes_the_same_function_in_float64(organism_sequence):
+    from spectie.margins import reference_gdn_kernels
+
+    models, ids, positions, reference, others = organism_sequence
+    with reference_gdn_kernels():
+        for name in SHAPES:
+            logits = shape_logits(models["float64"], ids, positions, parse_shape(name), others)
+            # transformers upcasts RMSNorm and the GDN rules to float32 only, hence not 1e-12;
+            # bf16 differs from the reference by ~0.1 (next test).
+            assert float((logits - reference).abs().max()) < 1e-3, name
+
+
+def test_bfloat16_shapes_round_differently_and_the_band_is_measured(organism_sequence):
+    from spectie.margins import reference_gdn_kernels
+
+    models, ids, positions, reference, others = organism_sequence
+    with reference_gdn_kernels():
+        rows = measure(models["bfloat16"], "bfloat16", ids, positions, [parse_shape(n) for n in SHAPES],
+                       reference, others)
+    by_shape = {r["shape"]: r for r in rows}
+    assert all(r["positions"] == 60 and r["max_deviation"] > 0 for r in rows)
+    for r in rows:
+        assert 0 < r["noise_band"] < 2 and r["median_deviation"] <= r["p90_deviation"] <= r["max_deviation"]
+        assert len(r["pairs"]) == 60 and r["top1_vs_decode"] >= 0
+    assert by_shape["decode"]["top1_vs_decode"] == 0
+
+
+def test_compare_counts_flips_and_margin_moves():
+    import torch
+
+    reference = torch.tensor([[3.0, 1.0, 0.0], [1.0, 0.9, 0.0]], dtype=torch.float64)
+    other = torch.tensor([[3.0, 1.5, 0.0], [0.8, 1.0, 0.0]], dtype=torch.float64)
+    result = compare(other, reference)
+    assert result["top1_disagreements"] == 1 and result["largest_flipped_margin"] == pytest.approx(0.1)
+    assert result["margin_shifts"] == pytest.approx([-0.5, -0.3])
+    assert result["max_deviation"] == pytest.approx(0.5)
+
+
+def test_each_shape_makes_the_forwards_it_names(organism_sequence):
+    """decode: the prompt then one forward per token; verify-7: steps of 8; full: one forward."""
+    models, ids, positions, _, others = organism_sequence
+    model = models["bfloat16"]
+    calls = []
+    original = model.model.forward
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs["input_ids"].shape)
+        return original(*args, **kwargs)
+
+    model.model.forward = counting
+    try:
+        expected = {"full": [(1, 160)], "decode": [(1, 100)] + [(1, 1)] * 60,
+                    "verify-7@3": [(1, 100), (1, 3)] + [(1, 8)] * 7 + [(1, 1)], "batch-3": [(3, 160)],
+                    "prefill-64": [(1, 64), (1, 64), (1, 32)]}
+        for name, shapes in expected.items():
+            calls.clear()
+            shape_logits(model, ids, positions, parse_shape(name), others)
+            assert [tuple(c) for c in calls] == shapes, name
+    finally:
+        model.model.forward = original
