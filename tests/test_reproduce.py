@@ -210,3 +210,12 @@ def test_real_vllm_cpu_plain_and_mtp_on_the_organism(tmp_path):
     assert mtp["repeats"][0]["speculation"]["num_draft_tokens"] > 0
     assert mtp["repeats"][0]["same_as_baseline"] is False and mtp["repeats"][0]["first_divergence"] is not None
     assert records[1]["fingerprint"]["vllm"] == "0.32.0"
+
+
+def test_make_venv_refuses_what_it_cannot_install():
+    with pytest.raises(UsageError, match="uses the project's .venv"):
+        reproduce.create_venv("cpu")
+    with pytest.raises(UsageError, match=r"(?s)pins a vLLM commit \(77154ca6\).*wheels.vllm.ai"):
+        reproduce.create_venv("nightly-77154ca6-b200")
+    with pytest.raises(UsageError, match="unknown environment"):
+        reproduce.create_venv("no-such-env")
