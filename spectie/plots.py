@@ -72,3 +72,57 @@ def bf16_grid(values: dict[str, float], spacing: float, title: str):
     fig.tight_layout()
     plt.close(fig)
     return fig
+
+
+def disagreement_heatmap(rows: list[dict], title: str):
+    """Shape × generated position: red where the shape's top-1 differs from the reference's."""
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(8, 0.32 * len(rows) + 1.5))
+    grid = np.array([[1.0 if flipped else 0.0 for _, flipped in r["pairs"]] for r in rows])
+    ax.imshow(grid, aspect="auto", cmap="Reds", vmin=0, vmax=1.4, interpolation="nearest")
+    ax.set_yticks(range(len(rows)), [f"{r['dtype']} {r['shape']}" for r in rows], fontsize=7)
+    ax.set_xlabel("generated position (output token index)")
+    ax.set_title(title)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+def margin_shift_boxes(rows: list[dict], band_quantile: float, title: str):
+    """How far each shape moves the reference's top-two margin, per position (box plots)."""
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    ax.boxplot([[abs(x) for x in r["margin_shifts"]] for r in rows], showfliers=True)
+    ax.set_xticks(range(1, len(rows) + 1), [f"{r['dtype'][:4]}\n{r['shape']}" for r in rows], fontsize=6,
+                  rotation=90)
+    ax.scatter(range(1, len(rows) + 1), [r["noise_band"] for r in rows], marker="_", s=200, color="red",
+               zorder=3, label=f"noise band ({band_quantile:.0%} quantile)")
+    ax.set_ylabel("|change of the top-two margin| (logits)")
+    ax.legend(loc="upper left", fontsize=8)
+    ax.set_title(title)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+def band_by_model(points: list[dict], incident_margin: float | None, title: str):
+    """Noise band per model (x: parameters), one marker per precision; the incident's margin as a line."""
+    fig, ax = plt.subplots(figsize=(8, 3.4))
+    for dtype in sorted({p["dtype"] for p in points}):
+        chosen = sorted((p for p in points if p["dtype"] == dtype), key=lambda p: p["parameters"])
+        ax.plot([p["parameters"] for p in chosen], [p["band"] for p in chosen], marker="o",
+                label=dtype, color=COLOURS.get({"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype)))
+        for p in chosen:
+            ax.annotate(p["label"], (p["parameters"], p["band"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    if incident_margin is not None:
+        ax.axhline(incident_margin, color="black", linestyle="--", linewidth=1,
+                   label=f"incident's fp32 margin ({incident_margin:.2f}, reported)")
+    ax.set_xscale("log")
+    ax.set_yscale("symlog", linthresh=1e-3)
+    ax.set_xlabel("model parameters")
+    ax.set_ylabel("noise band (logits)")
+    ax.legend(fontsize=8)
+    ax.set_title(title)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig

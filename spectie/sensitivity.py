@@ -162,6 +162,7 @@ def measure(model, dtype: str, ids: list[int], positions: list[int], shapes: lis
 
 
 KERNELS = ("torch", "fla")
+CPU_SHAPES = ("full", "decode", "verify-1", "verify-3", "verify-7", "verify-7@3", "prefill-64", "prefill-512", "batch-4")
 DEFAULT_SHAPES = ("full", "decode", "verify-1", "verify-2", "verify-3", "verify-4", "verify-5", "verify-6", "verify-7",
                   "verify-8", "verify-7@2", "verify-7@5", "prefill-64", "prefill-128", "prefill-512", "prefill-2048",
                   "batch-1", "batch-4")
@@ -229,6 +230,7 @@ def sweep(model_path: str, device: str, dtypes: list[str], shapes: list[str], ke
                   for i in range(batch - 1)]
         positions = [generation.position(i) for i in range(len(generation.output_ids))]
         reference_model = load_model(model_path, reference_dtype, device)
+        parameter_count = sum(p.numel() for p in reference_model.parameters())
         reference = shape_logits(reference_model, ids, positions, parse_shape("full"))
         del reference_model
     rows = []
@@ -245,7 +247,7 @@ def sweep(model_path: str, device: str, dtypes: list[str], shapes: list[str], ke
                     del model
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    return {"prompt": prompt.describe(), "output_tokens": len(generation.output_ids),
+    return {"prompt": prompt.describe(), "output_tokens": len(generation.output_ids), "model_parameters": parameter_count,
             "finish_reason": generation.finish_reason, "positions": len(positions),
             "reference": {"dtype": reference_dtype, "shape": "full", "kernels": "torch", "tf32": False},
             "rows": rows}
@@ -275,3 +277,26 @@ def _package_hash() -> str:
     for path in sorted((project_root() / "spectie").rglob("*.py")):
         digest.update(path.read_bytes())
     return digest.hexdigest()
+
+
+def summary_rows(record: dict) -> list[dict]:
+    """One row per (kernels, TF32, dtype, shape) of a sweep record, without the per-position lists."""
+    model = record["parameters"]["model"]
+    host = record["fingerprint"].get("gpu") or "CPU"
+    return [{"model": model, "host": host, **{k: v for k, v in row.items() if k not in ("pairs", "margin_shifts")}}
+            for row in record["results"]["rows"]]
+
+
+def band_points(records: list[dict]) -> list[dict]:
+    """Noise band per model and precision (the widest over shapes), torch kernels with TF32 off and,
+    where measured, the fast kernels: what a `noise band vs model size` plot needs."""
+    points = []
+    for record in records:
+        rows = record["results"]["rows"]
+        for (kernels, tf32, dtype) in sorted({(r["kernels"], r["tf32"], r["dtype"]) for r in rows}):
+            chosen = [r for r in rows if (r["kernels"], r["tf32"], r["dtype"]) == (kernels, tf32, dtype)]
+            points.append({"label": f"{record['parameters']['model']} · {record['fingerprint'].get('gpu') or 'CPU'}"
+                                    f" · {kernels}{' TF32' if tf32 else ''}",
+                           "parameters": record["results"].get("model_parameters") or 0, "dtype": dtype,
+                           "kernels": kernels, "tf32": tf32, "band": max(r["noise_band"] for r in chosen)})
+    return points
