@@ -197,6 +197,8 @@ def check_plan(device: str, dtypes: list[str], shapes: list[str], kernels: list[
             raise UsageError(f"unknown kernel backend {name!r}; valid: {', '.join(KERNELS)}")
         if name == "fla" and device == "cpu":
             raise UsageError("kernels 'fla' run only on a GPU (device=cuda)")
+        if name == "fla":
+            kernel_context("fla")  # raises now, before any model loads, if flash-linear-attention is missing
     if any(tf32) and device == "cpu":
         raise UsageError("TF32 exists only on NVIDIA GPUs: use tf32: [false] on CPU")
     if not shapes:
