@@ -68,10 +68,8 @@ def check_matrix(matrix: Matrix, probe: dict, extra_engine: dict | None = None) 
     """Every engine argument and speculative method of the matrix must exist in the installed vLLM."""
     accepted = set(probe["engine_args"])
     version = probe["vllm_version"]
-    engine = {**matrix.engine, **(extra_engine or {})}
     for config in matrix.configs:
-        kwargs = config.llm_kwargs("model", engine.get("dtype", "auto"),
-                                   **{k: v for k, v in engine.items() if k != "dtype"})
+        kwargs = engine_kwargs(config, matrix, "model", extra_engine)
         missing = sorted(set(kwargs) - accepted)
         if missing:
             raise UsageError(f"configuration {config.id!r}: engine argument(s) {', '.join(missing)} are not "
@@ -121,11 +119,15 @@ class Outcome:
     seconds: float = 0.0
 
 
+def engine_kwargs(config: EngineConfig, matrix: Matrix, model: str, extra_engine: dict | None = None) -> dict:
+    """`vllm.LLM` arguments of one configuration: its own, the matrix's shared ones, then `extra_engine`."""
+    engine = {**matrix.engine, **(extra_engine or {})}
+    return config.llm_kwargs(model, engine.pop("dtype", "auto"), **engine)
+
+
 def request_for(config: EngineConfig, matrix: Matrix, model: str, prompt_ids: list[int],
                 extra_engine: dict | None = None) -> dict:
-    engine = {**matrix.engine, **(extra_engine or {})}
-    kwargs = config.llm_kwargs(model, engine.get("dtype", "auto"),
-                               **{k: v for k, v in engine.items() if k != "dtype"})
+    kwargs = engine_kwargs(config, matrix, model, extra_engine)
     kwargs.setdefault("disable_log_stats", False)  # speculative acceptance counters
     return {"llm_kwargs": kwargs, "sampling": config.sampling_kwargs(), "prompt_token_ids": list(prompt_ids),
             "repeats": config.repeats, "tail_tokens": 8,
