@@ -40,6 +40,10 @@ CHAPTERS = {
                 ("artifacts/organism/*.json", "artifacts/organism/*.safetensors", "results/reported/**/*.json",
                  "results/measured/*/reproduce/*.json", "environments/*.yaml"),
                 "The incident's configuration matrix through vLLM (CPU build on the organism by default)"),
+        Chapter("reduction_order", "notebooks/reduction_order.ipynb",
+                ("artifacts/organism/*.json", "artifacts/organism/*.safetensors", "results/reported/**/*.json",
+                 "results/measured/*/reduction_order/*.json", "environments/*.yaml"),
+                "Reduction-order sensitivity: logits per computation shape and the bf16 noise band"),
         Chapter("environments", "notebooks/environments.ipynb", ("results/**/*.json", "environments/*.yaml"),
                 "Environments appendix, generated from environments/ and the records"),
     )
