@@ -13,13 +13,14 @@ VLLM_CPU := $(shell [ "$$(uname -sm)" = "Linux x86_64" ] && ! command -v nvidia-
 HTML := _build/html
 BOOK_FLAGS := -W -n --keep-going
 
-.PHONY: help setup check-setup build test run venv list check clean
+.PHONY: help setup check-setup build test run bench venv list check clean
 
 help:
 	@echo "make setup   create $(VENV) with the pinned requirements (idempotent)"
 	@echo "make build   execute stale chapters (papermill), then build the HTML into $(HTML)"
 	@echo "make test    run the tests (installs what it needs first); K=<expr> selects some"
 	@echo "make run CHAPTER=<name> [PARAMS=params.yaml] [ENV=<environment>] [MODEL=<folder or hub id>]   one chapter on this host"
+	@echo "make bench [MODEL=<model or shape>] [DEVICE=cuda] [ENV=<environment>]   cost of the reduction-order scans, recorded"
 	@echo "make venv ENV=<environment>   that environment's vLLM in .venvs/<environment> (GPU hosts)"
 	@echo "make list    list chapters and environments"
 	@echo "make check   validate every run record"
@@ -69,6 +70,10 @@ build: check-setup
 run: check-setup
 	@test -n "$(CHAPTER)" || { echo "error: give CHAPTER=<name>; valid chapters:" >&2; $(PY) -m spectie list >&2; exit 2; }
 	$(PY) -m spectie run $(CHAPTER) $(if $(PARAMS),--params $(PARAMS)) $(if $(ENV),--env $(ENV)) $(if $(MODEL),--set model=$(MODEL))
+
+# Cost of the reduction-order scans on this host; prints the figures and records them (ENV, default cpu).
+bench: check-setup
+	$(PY) -m spectie.bench --env $(or $(ENV),cpu) $(if $(MODEL),--model $(MODEL)) $(if $(DEVICE),--device $(DEVICE))
 
 list check: check-setup
 	$(PY) -m spectie $@

@@ -1,14 +1,17 @@
 """Run the reduction-order sweep (spectie.sensitivity) on a host without papermill and dump the result.
 
 The team's H200 host has torch, transformers and triton but no papermill, jsonschema or network. This
-script runs spectie.sensitivity.sweep on the organism with the fast GDN kernels (flash-linear-attention,
-carried as wheels) and transformers' torch reference code, TF32 off and on, and dumps the raw result
-to $OUT/sweep.json; `python scripts/sensitivity_without_papermill.py --record sweep.json ENV` then
-validates it and writes the measured record here (results/measured/<env>-<host>/reduction_order/).
+script runs spectie.sensitivity.sweep with the fast GDN kernels (flash-linear-attention, carried as
+wheels) and transformers' torch reference code, and dumps each model's raw result to
+$OUT/sweep-<model>.json; `python scripts/sensitivity_without_papermill.py --record sweep-<model>.json ENV`
+then validates it and writes the measured record here (results/measured/<env>-<host>/reduction_order/).
 
-On the GPU host (gpu-carry/ holds the organism as a tgz and the fla, fla-core and einops wheels):
-    tar xzf gpu-carry/artifacts.tgz && pip install --no-deps gpu-carry/*.whl
-    PYTHONPATH=. python3 scripts/sensitivity_without_papermill.py --sweep cuda
+Models: `organism` (TF32 off and on) and the random-weight Qwen3.5 shapes (spectie.qwen_shapes; TF32
+off), each over the 18 default shapes in bf16, fp16 and fp32.
+
+On the GPU host (gpu-carry/ holds the organism and tokenizer as a tgz and the fla, fla-core and einops wheels):
+    tar xzf gpu-carry/artifacts.tgz && python3 -m pip install --no-deps gpu-carry/*.whl
+    PYTHONPATH=. python3 scripts/sensitivity_without_papermill.py --sweep cuda organism qwen3.5-0.8b-shape
 """
 import json
 import os
@@ -18,28 +21,31 @@ import time
 from spectie import sensitivity
 
 
-def run(device: str) -> None:
+def run(device: str, model: str) -> None:
+    from spectie.chapters import current_hash
     from spectie.fingerprint import environment_fingerprint, now
-    from spectie.organism import organism_dir
 
     started_at, t0 = now(), time.time()
-    kernels = ["torch", "fla"] if device.startswith("cuda") else ["torch"]
-    tf32 = [False, True] if device.startswith("cuda") else [False]
-    parameters = {"model": "organism", "device": device, "dtypes": ["bfloat16", "float16", "float32"],
+    gpu = device.startswith("cuda")
+    kernels = ["torch", "fla"] if gpu else ["torch"]
+    tf32 = [False, True] if gpu and model == "organism" else [False]
+    parameters = {"model": model, "device": device, "dtypes": ["bfloat16", "float16", "float32"],
                   "shapes": list(sensitivity.DEFAULT_SHAPES), "kernels": kernels, "tf32": tf32,
-                  "prompt_tokens": 1845, "prompt_seed": 0, "new_tokens": 96, "reference_dtype": "float32"}
-    result = sensitivity.sweep(str(organism_dir()), device, parameters["dtypes"], parameters["shapes"], kernels,
-                               tf32, 1845, 0, 96, "float32", progress=False)
+                  "prompt_tokens": 1845, "prompt_seed": 0, "new_tokens": 96, "reference_dtype": "float32",
+                  "weights_seed": 0, "logit_std": 3.0}
+    result = sensitivity.sweep(model, device, parameters["dtypes"], parameters["shapes"], kernels, tf32, 1845, 0, 96,
+                               "float32", progress=False, weights_seed=0, logit_std=3.0)
     dump = {"parameters": parameters, "results": result, "started_at": started_at, "finished_at": now(),
             "seconds": round(time.time() - t0, 1), "fingerprint": environment_fingerprint("bfloat16"),
-            "content_hash": sensitivity._package_hash()}
-    with open(os.path.join(os.environ.get("OUT", "."), "sweep.json"), "w") as handle:
+            "content_hash": current_hash("reduction_order")}
+    with open(os.path.join(os.environ.get("OUT", "."), f"sweep-{model}.json"), "w") as handle:
         json.dump(dump, handle)
-    print(f"{len(result['rows'])} rows, {result['positions']} positions, {dump['seconds']} s")
+    print(f"{model}: {len(result['rows'])} rows, {result['positions']} positions, {dump['seconds']} s, "
+          f"weights {result['weights']}")
     print("kernels tf32 dtype shape max_dev band top1 top1_vs_decode")
     for row in result["rows"]:
         print(row["kernels"], row["tf32"], row["dtype"], row["shape"], f"{row['max_deviation']:.4f}",
-              f"{row['noise_band']:.4f}", row["top1_disagreements"], row.get("top1_vs_decode"))
+              f"{row['noise_band']:.4f}", row["top1_disagreements"], row.get("top1_vs_decode"), flush=True)
 
 
 def record(path: str, environment: str) -> None:
@@ -51,8 +57,9 @@ def record(path: str, environment: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--sweep"]:
-        run(sys.argv[2])
+    if sys.argv[1:2] == ["--sweep"] and len(sys.argv) > 2:
+        for name in sys.argv[3:] or ["organism"]:
+            run(sys.argv[2], name)
     elif sys.argv[1:2] == ["--record"]:
         record(sys.argv[2], sys.argv[3])
     else:

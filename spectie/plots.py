@@ -105,15 +105,53 @@ def margin_shift_boxes(rows: list[dict], band_quantile: float, title: str):
     return fig
 
 
+def flip_probability_by_shape(curves: dict[str, list[dict]], title: str):
+    """Share of positions whose top-1 differs from the reference, by the reference's top-two margin,
+    one line per shape (`curves`: shape -> bins of `margins.flip_curve`)."""
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    for shape, bins in curves.items():
+        centres = [(b["low"] + b["high"]) / 2 for b in bins if b["count"]]
+        ax.plot(centres, [b["flip_rate"] for b in bins if b["count"]], marker="o", markersize=3, linewidth=1,
+                label=shape)
+    ax.set_xscale("log")
+    ax.set_xlabel("reference (fp32) margin between the top two tokens (logits)")
+    ax.set_ylabel("flip probability")
+    ax.set_ylim(-0.03, 1.03)
+    ax.legend(fontsize=7, ncol=3)
+    ax.set_title(title)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
+
+
 def band_by_model(points: list[dict], incident_margin: float | None, title: str):
-    """Noise band per model (x: parameters), one marker per precision; the incident's margin as a line."""
-    fig, ax = plt.subplots(figsize=(8, 3.4))
-    for dtype in sorted({p["dtype"] for p in points}):
-        chosen = sorted((p for p in points if p["dtype"] == dtype), key=lambda p: p["parameters"])
-        ax.plot([p["parameters"] for p in chosen], [p["band"] for p in chosen], marker="o",
-                label=dtype, color=COLOURS.get({"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype)))
-        for p in chosen:
-            ax.annotate(p["label"], (p["parameters"], p["band"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    """Noise band per model (x: parameters), TF32 off: one colour per precision, solid for the torch
+    GDN kernels and dotted for fla; hollow circles are random-weight shapes, squares trained models."""
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    untf32 = [p for p in points if not p["tf32"]]
+    for dtype, kernels in sorted({(p["dtype"], p["kernels"]) for p in untf32}):
+        chosen = sorted((p for p in untf32 if (p["dtype"], p["kernels"]) == (dtype, kernels)),
+                        key=lambda p: p["parameters"])
+        colour = COLOURS.get(SHORT.get(dtype))
+        name = f"{SHORT.get(dtype, dtype)} {kernels}"
+        shapes = [p for p in chosen if p["weights"] == "random-weight shape"]
+        trained = [p for p in chosen if p["weights"] != "random-weight shape"]
+        if shapes:
+            ax.plot([p["parameters"] for p in shapes], [p["band"] for p in shapes], marker="o", mfc="white",
+                    linestyle="-" if kernels == "torch" else ":", color=colour, label=f"{name} (random-weight shapes)")
+        if trained:
+            ax.plot([p["parameters"] for p in trained], [p["band"] for p in trained], marker="s", linestyle="none",
+                    color=colour, label=f"{name} (trained)")
+    named = {}
+    for p in untf32:
+        named.setdefault(p["label"].split(" · ")[0], (p["parameters"], max(q["band"] for q in untf32
+                                                                           if q["parameters"] == p["parameters"])))
+    for label, (x, y) in named.items():
+        ax.annotate(label.replace(" (random weights)", ""), (x, y), fontsize=7, xytext=(0, 6),
+                    textcoords="offset points", ha="center")
     if incident_margin is not None:
         ax.axhline(incident_margin, color="black", linestyle="--", linewidth=1,
                    label=f"incident's fp32 margin ({incident_margin:.2f}, reported)")
@@ -121,7 +159,7 @@ def band_by_model(points: list[dict], incident_margin: float | None, title: str)
     ax.set_yscale("symlog", linthresh=1e-3)
     ax.set_xlabel("model parameters")
     ax.set_ylabel("noise band (logits)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     ax.set_title(title)
     fig.tight_layout()
     plt.close(fig)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from spectie import qwen_shapes
 from spectie.errors import UsageError
 
 GDN_CHUNK = 64  # transformers' torch_chunk_gated_delta_rule and fla's chunk kernels
@@ -185,12 +186,14 @@ def kernel_context(kernels: str):
     return contextlib.nullcontext()
 
 
-def check_plan(device: str, dtypes: list[str], shapes: list[str], kernels: list[str], tf32: list[bool]) -> list[Shape]:
-    """Every parameter of a sweep, checked before any model is loaded."""
+def check_plan(device: str, dtypes: list[str], shapes: list[str], kernels: list[str], tf32: list[bool],
+               model: str | None = None, reference_dtype: str = "float32") -> list[Shape]:
+    """Every parameter of a sweep, checked before any model is loaded (for a random-weight Qwen3.5
+    shape, also whether each precision fits this host's memory)."""
     from spectie.margins import check_device, torch_dtype
 
     check_device(device)
-    for dtype in dtypes:
+    for dtype in [*dtypes, reference_dtype]:
         torch_dtype(dtype)
     for name in kernels:
         if name not in KERNELS:
@@ -203,89 +206,146 @@ def check_plan(device: str, dtypes: list[str], shapes: list[str], kernels: list[
         raise UsageError("TF32 exists only on NVIDIA GPUs: use tf32: [false] on CPU")
     if not shapes:
         raise UsageError("give at least one shape")
-    return [parse_shape(s) for s in shapes]
+    plan = [parse_shape(s) for s in shapes]
+    if model is not None and qwen_shapes.is_shape(model):
+        qwen_shapes.check_memory(model, [*dtypes, reference_dtype], device)
+    return plan
 
 
-def sweep(model_path: str, device: str, dtypes: list[str], shapes: list[str], kernels: list[str] = ("torch",),
+@dataclass(frozen=True)
+class Source:
+    """Where a sweep's models come from: a checkpoint (the organism, a folder, a hub id) or a
+    random-weight Qwen3.5 shape, built from `seed` with its logits scaled by `scale`."""
+    model: str
+    tokenizer: str
+    checkpoint: str | None = None
+    seed: int = 0
+    scale: float = 1.0
+
+    @property
+    def weights(self) -> str:
+        return "trained" if self.checkpoint else "random"
+
+    def load(self, dtype: str, device: str):
+        import torch
+
+        from spectie.margins import load_model
+
+        if self.checkpoint:
+            return load_model(self.checkpoint, dtype, device)
+        model = qwen_shapes.build(self.model, dtype, device, self.seed, self.scale)
+        torch.backends.cuda.matmul.allow_tf32 = False  # as load_model: true precision unless asked
+        torch.backends.cudnn.allow_tf32 = False
+        return model
+
+
+def open_source(model: str) -> Source:
+    """`organism`, a model folder, a hub id, or a Qwen3.5 shape name (random weights)."""
+    from spectie.reproduce import resolve_model
+    from spectie.tokenizer import tokenizer_dir
+
+    if qwen_shapes.is_shape(model):
+        if not (tokenizer_dir() / "tokenizer.json").is_file():
+            raise UsageError(f"the Qwen3.5 tokenizer is not built ({tokenizer_dir()}): run `make setup`")
+        return Source(model, str(tokenizer_dir()))
+    path = resolve_model(model)
+    return Source(model, path, checkpoint=path)
+
+
+def sweep(model: str, device: str, dtypes: list[str], shapes: list[str], kernels: list[str] = ("torch",),
           tf32: list[bool] = (False,), prompt_tokens: int = 1845, prompt_seed: int = 0, new_tokens: int = 96,
-          reference_dtype: str = "float64", progress: bool = True) -> dict:
+          reference_dtype: str = "float32", progress: bool = True, weights_seed: int = 0,
+          logit_std: float = qwen_shapes.DEFAULT_LOGIT_STD) -> dict:
     """Every (kernels, TF32, dtype, shape) against one reference: the prompt and the continuation that
     bf16 greedy decoding writes (torch kernels), teacher-forced; the reference is a `full` forward in
-    `reference_dtype` through the torch kernels with TF32 off."""
+    `reference_dtype` through the torch kernels with TF32 off. `weights_seed` and `logit_std` apply
+    to random-weight Qwen3.5 shapes only."""
+    import dataclasses
+
     import torch
     from transformers import AutoTokenizer
 
-    from spectie.margins import greedy_generate, load_model
+    from spectie.margins import greedy_generate
     from spectie.prompts import PromptSpec, build_prompt
 
-    plan = check_plan(device, list(dtypes), list(shapes), list(kernels), list(tf32))
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    plan = check_plan(device, list(dtypes), list(shapes), list(kernels), list(tf32), model, reference_dtype)
+    source = open_source(model)
+    tokenizer = AutoTokenizer.from_pretrained(source.tokenizer)
     prompt = build_prompt(PromptSpec(tokens=prompt_tokens, seed=prompt_seed), tokenizer)
     eos = [tokenizer.convert_tokens_to_ids("<|endoftext|>")]
     batch = max([s.size for s in plan if s.kind == "batch"] + [1])
     with kernel_context("torch"):
-        generator = load_model(model_path, "bfloat16", device)
+        if source.weights == "random":
+            scale = qwen_shapes.logit_scale(model, device, list(prompt.token_ids), logit_std, weights_seed)
+            source = dataclasses.replace(source, seed=weights_seed, scale=scale)
+        generator = source.load("bfloat16", device)
         generation = greedy_generate(generator, list(prompt.token_ids), new_tokens, eos)
         del generator
         ids = generation.ids
         others = [list(build_prompt(PromptSpec(tokens=len(ids), seed=prompt_seed + 1 + i), tokenizer).token_ids)
                   for i in range(batch - 1)]
         positions = [generation.position(i) for i in range(len(generation.output_ids))]
-        reference_model = load_model(model_path, reference_dtype, device)
+        reference_model = source.load(reference_dtype, device)
         parameter_count = sum(p.numel() for p in reference_model.parameters())
         reference = shape_logits(reference_model, ids, positions, parse_shape("full"))
         del reference_model
     rows = []
     for backend in kernels:
         for tf32_on in tf32:
-            torch.backends.cuda.matmul.allow_tf32 = bool(tf32_on)
-            torch.backends.cudnn.allow_tf32 = bool(tf32_on)
             with kernel_context(backend):
                 for dtype in dtypes:
-                    model = load_model(model_path, dtype, device)
-                    torch.backends.cuda.matmul.allow_tf32 = bool(tf32_on)  # load_model switches it off
-                    rows += measure(model, dtype, ids, positions, plan, reference, others,
+                    model_in_dtype = source.load(dtype, device)
+                    torch.backends.cuda.matmul.allow_tf32 = bool(tf32_on)  # loading switches it off
+                    torch.backends.cudnn.allow_tf32 = bool(tf32_on)
+                    rows += measure(model_in_dtype, dtype, ids, positions, plan, reference, others,
                                     {"kernels": backend, "tf32": bool(tf32_on)}, progress)
-                    del model
+                    del model_in_dtype
+                    if device.startswith("cuda"):
+                        torch.cuda.empty_cache()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    weights = ({"kind": "trained checkpoint"} if source.weights == "trained" else
+               {"kind": qwen_shapes.LABEL, "seed": source.seed, "logit_std": logit_std, "logit_scale": source.scale})
     return {"prompt": prompt.describe(), "output_tokens": len(generation.output_ids), "model_parameters": parameter_count,
-            "finish_reason": generation.finish_reason, "positions": len(positions),
+            "weights": weights, "finish_reason": generation.finish_reason, "positions": len(positions),
             "reference": {"dtype": reference_dtype, "shape": "full", "kernels": "torch", "tf32": False},
             "rows": rows}
 
 
 def measured_sweep_record(dump: dict, environment: str, chapter: str = "reduction_order") -> dict:
     """A measured record from a sweep's dump (parameters, results, times, fingerprint of the host that ran it)."""
+    from spectie.chapters import current_hash
+
     host = dump["fingerprint"]["host_id"]
+    model = dump["parameters"]["model"]
+    weights = dump["results"].get("weights", {}).get("kind", "trained checkpoint")
+    label = f"{model} ({weights})" if weights == qwen_shapes.LABEL else model
     return {
-        "schema_version": 1, "id": f"{chapter}-{environment}-organism-{host}".replace("_", "-"),
+        "schema_version": 1, "id": f"{chapter}-{environment}-{model}-{host}".replace("_", "-").replace(".", "-"),
         "provenance": "measured", "kind": "reduction-sweep", "chapter": chapter,
-        "title": f"Reduction-order sweep of the organism ({dump['parameters']['device']})",
+        "title": f"Reduction-order sweep of {label} ({dump['parameters']['device']})",
         "environments": [environment], "parameters": dump["parameters"], "results": dump["results"],
         "fingerprint": dump["fingerprint"], "started_at": dump["started_at"], "finished_at": dump["finished_at"],
         "package_version": __import__("spectie").__version__,
-        "content_hash": dump.get("content_hash") or _package_hash(),
+        "content_hash": dump.get("content_hash") or current_hash(chapter),
     }
 
 
-def _package_hash() -> str:
-    """Hash of the package code a sweep ran with (no notebook exists for it yet)."""
-    import hashlib
+def weights_of(record: dict) -> str:
+    """`trained checkpoint` or `random-weight shape` (records from before shapes existed: trained)."""
+    return record["results"].get("weights", {}).get("kind", "trained checkpoint")
 
-    from spectie.paths import project_root
 
-    digest = hashlib.sha256()
-    for path in sorted((project_root() / "spectie").rglob("*.py")):
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
+def model_label(record: dict) -> str:
+    model = record["parameters"]["model"]
+    return f"{model} (random weights)" if weights_of(record) == qwen_shapes.LABEL else model
 
 
 def summary_rows(record: dict) -> list[dict]:
     """One row per (kernels, TF32, dtype, shape) of a sweep record, without the per-position lists."""
-    model = record["parameters"]["model"]
     host = record["fingerprint"].get("gpu") or "CPU"
-    return [{"model": model, "host": host, **{k: v for k, v in row.items() if k not in ("pairs", "margin_shifts")}}
+    return [{"model": model_label(record), "host": host,
+             **{k: v for k, v in row.items() if k not in ("pairs", "margin_shifts")}}
             for row in record["results"]["rows"]]
 
 
@@ -297,8 +357,9 @@ def band_points(records: list[dict]) -> list[dict]:
         rows = record["results"]["rows"]
         for (kernels, tf32, dtype) in sorted({(r["kernels"], r["tf32"], r["dtype"]) for r in rows}):
             chosen = [r for r in rows if (r["kernels"], r["tf32"], r["dtype"]) == (kernels, tf32, dtype)]
-            points.append({"label": f"{record['parameters']['model']} · {record['fingerprint'].get('gpu') or 'CPU'}"
+            points.append({"label": f"{model_label(record)} · {record['fingerprint'].get('gpu') or 'CPU'}"
                                     f" · {kernels}{' TF32' if tf32 else ''}",
+                           "weights": weights_of(record),
                            "parameters": record["results"].get("model_parameters") or 0, "dtype": dtype,
                            "kernels": kernels, "tf32": tf32, "band": max(r["noise_band"] for r in chosen)})
     return points

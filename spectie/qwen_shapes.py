@@ -1,0 +1,152 @@
+"""Qwen3.5 model shapes with random weights.
+
+Where no Qwen3.5 weights exist (no host here can download them), the noise band can still be measured
+at the real depth and width: a model with the layer count, widths and head layout of Qwen3.5-0.8B, 2B,
+4B or 9B, and random weights. Every record and plot names these `random-weight shapes`: their numbers
+are not Qwen3.5's, only numbers of models built like it.
+
+The configurations below are the text towers' `config.json` values (read offline from public copies of
+the configs; not downloaded here):
+
+    shape   layers (GDN + attention)  hidden  MLP    attention heads (kv)  GDN heads (k / v)  tied head
+    0.8B    24 (18 + 6)               1024    3584    8 (2)                16 / 16            yes
+    2B      24 (18 + 6)               2048    6144    8 (2)                16 / 16            yes
+    4B      32 (24 + 8)               2560    9216   16 (4)                16 / 32            yes
+    9B      32 (24 + 8)               4096   12288   16 (4)                16 / 32            no
+
+All: head_dim 256, GDN head dims 128, convolution 4, every 4th layer full attention, vocabulary 248,320,
+partial RoPE (0.25, theta 1e7), attention output gate.
+
+Weights: transformers' own initialisation (normal, std 0.02) from a seed, rounded to bf16 as a real
+checkpoint is stored (so the fp32 reference computes on exactly the weights bf16 serves), then the
+final norm is scaled so the logits have a chosen spread over the vocabulary (`logit_std`, 3 by
+default): at std 0.02 the logits would be far flatter than a trained model's, and the noise band, in
+logits, scales with that spread.
+"""
+
+from __future__ import annotations
+
+from spectie.errors import UsageError
+
+COMMON = dict(
+    vocab_size=248320, head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+    rms_norm_eps=1e-6, max_position_embeddings=262144, attn_output_gate=True, eos_token_id=248044,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+)
+SHAPES = {
+    "qwen3.5-0.8b-shape": dict(num_hidden_layers=24, hidden_size=1024, intermediate_size=3584, num_attention_heads=8,
+                               num_key_value_heads=2, linear_num_key_heads=16, linear_num_value_heads=16,
+                               tie_word_embeddings=True),
+    "qwen3.5-2b-shape": dict(num_hidden_layers=24, hidden_size=2048, intermediate_size=6144, num_attention_heads=8,
+                             num_key_value_heads=2, linear_num_key_heads=16, linear_num_value_heads=16,
+                             tie_word_embeddings=True),
+    "qwen3.5-4b-shape": dict(num_hidden_layers=32, hidden_size=2560, intermediate_size=9216, num_attention_heads=16,
+                             num_key_value_heads=4, linear_num_key_heads=16, linear_num_value_heads=32,
+                             tie_word_embeddings=True),
+    "qwen3.5-9b-shape": dict(num_hidden_layers=32, hidden_size=4096, intermediate_size=12288, num_attention_heads=16,
+                             num_key_value_heads=4, linear_num_key_heads=16, linear_num_value_heads=32,
+                             tie_word_embeddings=False),
+}
+LABEL = "random-weight shape"
+DEFAULT_LOGIT_STD = 3.0
+CALIBRATION_ROWS = 64  # last prompt rows whose logit spread sets the scale
+MEMORY_SLACK = 1.15  # activations, caches and the allocator's slack on top of the weights
+
+
+def is_shape(model: str) -> bool:
+    return model in SHAPES
+
+
+def config(name: str):
+    """The transformers config of a shape (a clear error for an unknown one)."""
+    from transformers import Qwen3_5TextConfig
+
+    if name not in SHAPES:
+        raise UsageError(f"unknown Qwen3.5 shape {name!r}; valid: {', '.join(SHAPES)}")
+    settings = {**COMMON, **SHAPES[name]}
+    layers = settings["num_hidden_layers"]
+    settings["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
+    return Qwen3_5TextConfig(**settings)
+
+
+def parameter_count(name: str) -> int:
+    """Parameters of the shape (a tied head counted once), from a model built on the meta device."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen3_5ForCausalLM(config(name))
+    return sum(p.numel() for p in model.parameters())
+
+
+def bytes_per_parameter(dtype: str) -> int:
+    from spectie.margins import torch_dtype
+    import torch
+
+    return torch.finfo(torch_dtype(dtype)).bits // 8
+
+
+def memory_needed(name: str, dtype: str) -> int:
+    """Bytes needed to build the shape in `dtype`: it is built in fp32 first, then cast."""
+    params = parameter_count(name)
+    extra = 0 if dtype == "float32" else bytes_per_parameter(dtype)
+    return params * (4 + extra)
+
+
+def available_memory(device: str) -> int:
+    """Free bytes on the GPU, or the host memory available to a CPU run."""
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info()[0]
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise UsageError("cannot read the available memory of this host (/proc/meminfo)")
+
+
+def check_memory(name: str, dtypes: list[str], device: str) -> None:
+    """Refuse, before anything is built, a precision whose model cannot fit: say how much it needs."""
+    free = available_memory(device)
+    where = "the GPU has" if device.startswith("cuda") else "this host has"
+    for dtype in dtypes:
+        need = memory_needed(name, dtype) * MEMORY_SLACK
+        if need > free:
+            raise UsageError(f"{name} in {dtype} needs about {need / 2**30:.0f} GiB ({parameter_count(name) / 1e9:.2f} B "
+                             f"parameters, built in float32 then cast); {where} {free / 2**30:.0f} GiB available")
+
+
+def build(name: str, dtype: str, device: str, seed: int = 0, logit_scale: float = 1.0):
+    """The shape with its seeded random weights, in `dtype` on `device`; the same weights for every
+    dtype (rounded to bf16 first), the logits multiplied by `logit_scale`."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM
+
+    from spectie.margins import torch_dtype
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Qwen3_5ForCausalLM(config(name))
+    with torch.no_grad():
+        model.model.norm.weight.add_(logit_scale - 1.0)  # Qwen3.5's RMSNorm multiplies by (1 + weight)
+        for parameter in model.parameters():
+            parameter.copy_(parameter.to(torch.bfloat16).to(torch.float32))
+    rotary = {key: value.clone() for key, value in model.model.rotary_emb.named_buffers()}
+    model = model.to(torch_dtype(dtype))
+    for key, value in rotary.items():  # RoPE frequencies stay fp32, as from_pretrained keeps them
+        setattr(model.model.rotary_emb, key, value)
+    return model.eval()
+
+
+def logit_scale(name: str, device: str, prompt_ids: list[int], logit_std: float = DEFAULT_LOGIT_STD,
+                seed: int = 0) -> float:
+    """The factor that gives the fp32 model's logits a standard deviation of `logit_std` over the
+    vocabulary (mean over the last prompt rows)."""
+    import torch
+
+    model = build(name, "float32", device, seed)
+    with torch.no_grad():
+        hidden = model.model(input_ids=torch.tensor([prompt_ids], device=device)).last_hidden_state[0]
+        spread = model.lm_head(hidden[-CALIBRATION_ROWS:]).float().std(dim=1).mean().item()
+    del model
+    return logit_std / spread
