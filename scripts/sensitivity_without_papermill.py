@@ -7,7 +7,7 @@ $OUT/sweep-<model>.json; `python scripts/sensitivity_without_papermill.py --reco
 then validates it and writes the measured record here (results/measured/<env>-<host>/reduction_order/).
 
 Models: `organism` (TF32 off and on) and the random-weight Qwen3.5 shapes (spectie.qwen_shapes; TF32
-off), each over the 18 default shapes in bf16, fp16 and fp32.
+off), each over the 18 default shapes in bf16, fp16 and fp32 unless SWEEP_SHAPES / SWEEP_DTYPES narrow them.
 
 On the GPU host (gpu-carry/ holds the organism and tokenizer as a tgz and the fla, fla-core and einops wheels):
     tar xzf gpu-carry/artifacts.tgz && python3 -m pip install --no-deps gpu-carry/*.whl
@@ -29,12 +29,16 @@ def run(device: str, model: str) -> None:
     gpu = device.startswith("cuda")
     kernels = ["torch", "fla"] if gpu else ["torch"]
     tf32 = [False, True] if gpu and model == "organism" else [False]
-    parameters = {"model": model, "device": device, "dtypes": ["bfloat16", "float16", "float32"],
-                  "shapes": list(sensitivity.DEFAULT_SHAPES), "kernels": kernels, "tf32": tf32,
+    # SWEEP_DTYPES / SWEEP_SHAPES (comma-separated; SWEEP_SHAPES=cpu: the chapter's 9 default shapes)
+    # narrow a sweep to fit a device's time.
+    dtypes = os.environ.get("SWEEP_DTYPES", "bfloat16,float16,float32").split(",")
+    shapes = os.environ.get("SWEEP_SHAPES", ",".join(sensitivity.DEFAULT_SHAPES))
+    shapes = list(sensitivity.CPU_SHAPES) if shapes == "cpu" else shapes.split(",")
+    parameters = {"model": model, "device": device, "dtypes": dtypes, "shapes": shapes, "kernels": kernels, "tf32": tf32,
                   "prompt_tokens": 1845, "prompt_seed": 0, "new_tokens": 96, "reference_dtype": "float32",
                   "weights_seed": 0, "logit_std": 3.0}
     result = sensitivity.sweep(model, device, parameters["dtypes"], parameters["shapes"], kernels, tf32, 1845, 0, 96,
-                               "float32", progress=False, weights_seed=0, logit_std=3.0)
+                               "float32", progress=True, weights_seed=0, logit_std=3.0)
     dump = {"parameters": parameters, "results": result, "started_at": started_at, "finished_at": now(),
             "seconds": round(time.time() - t0, 1), "fingerprint": environment_fingerprint("bfloat16"),
             "content_hash": current_hash("reduction_order")}
