@@ -148,7 +148,7 @@ def measure(model, dtype: str, ids: list[int], positions: list[int], shapes: lis
     from tqdm import tqdm
 
     computed = {}
-    for shape in tqdm(shapes, desc=f"{(label or {}).get("kernels", "")} {dtype} shapes", disable=not progress, leave=False):
+    for shape in tqdm(shapes, desc=f"{(label or {}).get('kernels', '')} {dtype} shapes", disable=not progress, leave=False):
         computed[shape.name] = shape_logits(model, ids, positions, shape, others)
     decode = computed.get("decode")
     rows = []
