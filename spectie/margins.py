@@ -46,7 +46,13 @@ def check_device(device: str) -> str:
 
 
 def resolve_model(model: str) -> str:
-    """A local folder as an absolute path; anything else must look like a hub id (owner/name)."""
+    """`organism` (built by make setup), a local folder as an absolute path, or a hub id (owner/name)."""
+    if model == "organism":
+        from spectie.organism import organism_dir
+
+        if not (organism_dir() / "model.safetensors").is_file():
+            raise UsageError(f"the organism is not built ({organism_dir()}): run `make setup`")
+        return str(organism_dir())
     path = Path(model)
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -304,7 +310,6 @@ def prepare(model: str, device: str, watch_tokens: list[str], serving_dtype: str
     """Check every parameter (cheaply, before loading weights), then load one model per dtype."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    from spectie.organism import organism_dir
     from spectie.tokenizer import token_id
 
     device = check_device(device)
@@ -312,12 +317,7 @@ def prepare(model: str, device: str, watch_tokens: list[str], serving_dtype: str
         torch_dtype(dtype)
     if len(watch_tokens) != 2:
         raise UsageError(f"watch_tokens must name two tokens, got {watch_tokens!r}")
-    if model == "organism":
-        if not (organism_dir() / "config.json").is_file():
-            raise UsageError(f"the organism is not built ({organism_dir()}): run 'make setup'")
-        path = str(organism_dir())
-    else:
-        path = resolve_model(model)
+    path = resolve_model(model)
     config = AutoConfig.from_pretrained(path)
     check_causal_lm(path, config)
     dtypes = [d for d in DTYPES if d in set(compare_dtypes) | {serving_dtype}]

@@ -105,6 +105,14 @@ class Matrix:
         keep = set(ids) | ({self.baseline} if self.baseline else set())
         return replace(self, configs=tuple(c for c in self.configs if c.id in keep))
 
+    def with_repeats(self, repeats: int | None) -> "Matrix":
+        """Every configuration with `repeats` repeats (None: each keeps its own)."""
+        if repeats is None:
+            return self
+        if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+            raise UsageError(f"repeats must be an integer >= 1, got {repeats!r}")
+        return replace(self, configs=tuple(replace(c, repeats=repeats) for c in self.configs))
+
 
 def matrix_path(name_or_path: str | Path | None) -> Path:
     """A matrix by name (a file in spectie/matrices/) or by path; default: the incident's."""

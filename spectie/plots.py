@@ -108,7 +108,7 @@ def margin_shift_boxes(rows: list[dict], band_quantile: float, title: str):
 def flip_probability_by_shape(curves: dict[str, list[dict]], title: str):
     """Share of positions whose top-1 differs from the reference, by the reference's top-two margin,
     one line per shape (`curves`: shape -> bins of `margins.flip_curve`)."""
-    fig, ax = plt.subplots(figsize=(8, 3.6))
+    fig, ax = plt.subplots(figsize=(9, 3.6))
     for shape, bins in curves.items():
         centres = [(b["low"] + b["high"]) / 2 for b in bins if b["count"]]
         ax.plot(centres, [b["flip_rate"] for b in bins if b["count"]], marker="o", markersize=3, linewidth=1,
@@ -117,20 +117,21 @@ def flip_probability_by_shape(curves: dict[str, list[dict]], title: str):
     ax.set_xlabel("reference (fp32) margin between the top two tokens (logits)")
     ax.set_ylabel("flip probability")
     ax.set_ylim(-0.03, 1.03)
-    ax.legend(fontsize=7, ncol=3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     ax.set_title(title)
     fig.tight_layout()
     plt.close(fig)
     return fig
 
 
+BAND_FLOOR = 1e-5  # a band of 0 (the reference's own computation) is drawn here on the log axis
 SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
 
 
 def band_by_model(points: list[dict], incident_margin: float | None, title: str):
     """Noise band per model (x: parameters), TF32 off: one colour per precision, solid for the torch
     GDN kernels and dotted for fla; hollow circles are random-weight shapes, squares trained models."""
-    fig, ax = plt.subplots(figsize=(8, 3.8))
+    fig, ax = plt.subplots(figsize=(9, 3.8))
     untf32 = [p for p in points if not p["tf32"]]
     for dtype, kernels in sorted({(p["dtype"], p["kernels"]) for p in untf32}):
         chosen = sorted((p for p in untf32 if (p["dtype"], p["kernels"]) == (dtype, kernels)),
@@ -140,23 +141,21 @@ def band_by_model(points: list[dict], incident_margin: float | None, title: str)
         shapes = [p for p in chosen if p["weights"] == "random-weight shape"]
         trained = [p for p in chosen if p["weights"] != "random-weight shape"]
         if shapes:
-            ax.plot([p["parameters"] for p in shapes], [p["band"] for p in shapes], marker="o", mfc="white",
-                    linestyle="-" if kernels == "torch" else ":", color=colour, label=f"{name} (random-weight shapes)")
+            ax.plot([p["parameters"] for p in shapes], [max(p["band"], BAND_FLOOR) for p in shapes], marker="o",
+                    mfc="white", linestyle="-" if kernels == "torch" else ":", color=colour, label=f"{name} (random-weight shapes)")
         if trained:
-            ax.plot([p["parameters"] for p in trained], [p["band"] for p in trained], marker="s", linestyle="none",
-                    color=colour, label=f"{name} (trained)")
-    named = {}
-    for p in untf32:
-        named.setdefault(p["label"].split(" · ")[0], (p["parameters"], max(q["band"] for q in untf32
-                                                                           if q["parameters"] == p["parameters"])))
-    for label, (x, y) in named.items():
-        ax.annotate(label.replace(" (random weights)", ""), (x, y), fontsize=7, xytext=(0, 6),
-                    textcoords="offset points", ha="center")
+            ax.plot([p["parameters"] for p in trained], [max(p["band"], BAND_FLOOR) for p in trained], marker="s",
+                    linestyle="none", color=colour, label=f"{name} (trained)")
+    ticks = {}
+    for p in untf32:  # one x tick per model, named
+        ticks[p["parameters"]] = p["label"].split(" · ")[0].replace(" (random weights)", "").replace("qwen3.5-", "")
     if incident_margin is not None:
         ax.axhline(incident_margin, color="black", linestyle="--", linewidth=1,
                    label=f"incident's fp32 margin ({incident_margin:.2f}, reported)")
     ax.set_xscale("log")
-    ax.set_yscale("symlog", linthresh=1e-3)
+    ax.set_yscale("log")
+    ax.set_xticks(list(ticks), [f"{name}\n{x / 1e9:.2g} B" for x, name in ticks.items()], fontsize=7)
+    ax.minorticks_off()
     ax.set_xlabel("model parameters")
     ax.set_ylabel("noise band (logits)")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))

