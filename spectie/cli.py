@@ -93,6 +93,32 @@ def _cmd_list(args) -> int:
     return 0
 
 
+def _cmd_tiestop(args) -> int:
+    import json
+
+    from spectie import tiestop
+
+    if args.threshold is not None:
+        threshold, origin = args.threshold, "given with --threshold"
+    else:
+        threshold, origin = tiestop.default_threshold(args.model_size)
+        origin = f"bf16 noise band of {origin}"
+    completions = [c for path in args.files for c in tiestop.read_jsonl(path)]
+    verdicts = [tiestop.check(c, threshold) for c in completions]
+    if args.json:
+        for verdict in verdicts:
+            print(json.dumps(verdict.as_dict()))
+    else:
+        print(f"threshold {threshold:.3f} logits ({origin})")
+        for v in verdicts:
+            mark = "FLAGGED" if v.flagged else "ok"
+            where = f" at output token {v.position}" if v.position is not None else ""
+            print(f"{mark:8} {v.request}{where}: {v.explanation}")
+        flagged = sum(v.flagged for v in verdicts)
+        print(f"{flagged} of {len(verdicts)} completion(s) flagged as near-tie stops")
+    return 1 if args.fail_on_flag and any(v.flagged for v in verdicts) else 0
+
+
 def _key_value(text: str) -> tuple[str, object]:
     import yaml
 
@@ -129,6 +155,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="validate every record and environment file")
     p.add_argument("--results-dir", default=None, help="folder of records (default results/)")
     p.set_defaults(func=_cmd_check)
+
+    p = sub.add_parser("tiestop", help="flag completions whose stop token won by less than the noise band",
+                       description="Flag completions (JSONL of OpenAI-compatible responses from vllm serve, "
+                                   "requested with top-2 logprobs) whose stop token won by a margin inside the "
+                                   "bf16 noise band: a near-tie stop that another computation shape could flip.")
+    p.add_argument("files", nargs="+", help="JSONL files, one response per line")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--threshold", type=float, help="margin in logits below which a stop is flagged")
+    group.add_argument("--model-size", default="9B",
+                       help="use the recorded noise band of the nearest model size (default 9B)")
+    p.add_argument("--json", action="store_true", help="one JSON verdict per line")
+    p.add_argument("--fail-on-flag", action="store_true", help="exit 1 when any completion is flagged")
+    p.set_defaults(func=_cmd_tiestop)
 
     p = sub.add_parser("list", help="list chapters and environments")
     p.set_defaults(func=_cmd_list)

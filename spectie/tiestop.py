@@ -1,0 +1,173 @@
+"""Tie-stop detector: flag a completion whose stop token won by less than the noise band.
+
+A completion requested with top-2 logprobs carries, at its last position, the logprob of the stop token
+and of the best other token. Their difference is the logit margin by which the stop won (logprobs of one
+position share their normaliser). A margin inside the bf16 noise band (measured in the reduction-order
+chapter) means that another computation shape, such as a different speculative verify width, could as
+well have continued: the stop is a near-tie, and the output may be silently truncated.
+
+Inputs: vLLM `RequestOutput` objects (offline `LLM.generate` with `SamplingParams(logprobs=2)`),
+OpenAI-compatible responses of `vllm serve` (completions with `"logprobs": 2`, chat completions with
+`"logprobs": true, "top_logprobs": 2`), and JSONL files of such responses. The caller's only cost is the
+logprobs request.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from spectie.errors import UsageError
+
+HOW_TO_REQUEST = ("request top-2 logprobs: SamplingParams(logprobs=2) offline; \"logprobs\": 2 for /v1/completions; "
+                  "\"logprobs\": true, \"top_logprobs\": 2 for /v1/chat/completions")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One generated position: the chosen token and its logprob, and the top alternatives offered."""
+    token: str
+    logprob: float
+    top: dict[str, float]  # token -> logprob, as returned (may include the chosen token)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What the detector reads from one completion, whatever format it came in."""
+    steps: list[Step]
+    finish_reason: str | None
+    source: str  # e.g. "vllm RequestOutput", "openai completion", "openai chat completion"
+    request: str = ""  # an id or index naming the completion in its input
+
+
+@dataclass(frozen=True)
+class Verdict:
+    flagged: bool
+    finish_reason: str | None
+    position: int | None  # output token index of the stop token (0-based)
+    stop_token: str | None
+    runner_up: str | None
+    margin: float | None  # logprob(stop token) - logprob(runner-up), in logits
+    threshold: float
+    explanation: str
+    request: str = ""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def check(completion: Completion, threshold: float) -> Verdict:
+    """Flag a stop that won by less than `threshold` logits; a completion that did not stop is not flagged."""
+    if threshold < 0 or math.isnan(threshold):
+        raise UsageError(f"the threshold must be a margin in logits >= 0, got {threshold!r}")
+    common = {"finish_reason": completion.finish_reason, "threshold": threshold, "request": completion.request}
+    if completion.finish_reason != "stop":
+        return Verdict(False, position=None, stop_token=None, runner_up=None, margin=None,
+                       explanation=f"finish_reason {completion.finish_reason!r}: no stop to check", **common)
+    if not completion.steps:
+        raise UsageError(f"{completion.source} {completion.request}: the completion has no logprobs; {HOW_TO_REQUEST}")
+    last = completion.steps[-1]
+    others = {token: lp for token, lp in last.top.items() if token != last.token}
+    if not others:
+        raise UsageError(f"{completion.source} {completion.request}: the logprobs hold only the chosen token at the "
+                         f"stop (top-1); the margin needs the runner-up: {HOW_TO_REQUEST}")
+    runner_up, runner_lp = max(others.items(), key=lambda item: item[1])
+    margin = last.logprob - runner_lp
+    flagged = margin < threshold
+    explanation = (f"the stop token {last.token!r} won by {margin:.3f} logits over {runner_up!r}: "
+                   + ("inside the noise band, a near-tie another computation shape could flip" if flagged
+                      else "outside the noise band"))
+    return Verdict(flagged, position=len(completion.steps) - 1, stop_token=last.token, runner_up=runner_up,
+                   margin=margin, explanation=explanation, **common)
+
+
+def from_request_output(output) -> list[Completion]:
+    """The completions of one vLLM `RequestOutput` (one per `n`)."""
+    completions = []
+    for choice in output.outputs:
+        steps = []
+        for token_id, position in zip(choice.token_ids, choice.logprobs or []):
+            chosen = position[token_id]
+            top = {_vllm_token(tid, lp): lp.logprob for tid, lp in position.items()}
+            steps.append(Step(_vllm_token(token_id, chosen), chosen.logprob, top))
+        completions.append(Completion(steps, choice.finish_reason, "vllm RequestOutput",
+                                      f"{output.request_id}/{choice.index}"))
+    return completions
+
+
+def _vllm_token(token_id: int, logprob) -> str:
+    """A token as vLLM decoded it, with its id (special tokens may decode to an empty string)."""
+    return f"{logprob.decoded_token!s}#{token_id}" if logprob.decoded_token is not None else f"#{token_id}"
+
+
+def from_openai(response: dict, request: str = "") -> list[Completion]:
+    """The choices of an OpenAI-compatible completion or chat completion response (a parsed JSON object)."""
+    if not isinstance(response, dict) or "choices" not in response:
+        raise UsageError(f"response {request or response.get('id', '')}: not an OpenAI-compatible response "
+                         "(no 'choices')")
+    completions = []
+    for choice in response["choices"]:
+        name = f"{request or response.get('id', '')}/{choice.get('index', len(completions))}"
+        logprobs = choice.get("logprobs")
+        if logprobs is None:
+            steps = []
+        elif "content" in logprobs:  # chat completion
+            steps = [Step(entry["token"], entry["logprob"],
+                          {alt["token"]: alt["logprob"] for alt in entry.get("top_logprobs") or []})
+                     for entry in logprobs["content"] or []]
+        else:  # completion
+            steps = [Step(token, lp, dict(top or {})) for token, lp, top in
+                     zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs.get("top_logprobs") or [])]
+        source = "openai chat completion" if "message" in choice else "openai completion"
+        completions.append(Completion(steps, choice.get("finish_reason"), source, name))
+    return completions
+
+
+def read_jsonl(path: str | Path) -> list[Completion]:
+    """Every completion of a JSONL file of OpenAI-compatible responses (one JSON object per line)."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"no such file: {path}")
+    completions = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                response = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UsageError(f"{path}:{number}: not JSON ({exc.msg})") from None
+            completions += from_openai(response, f"{path.name}:{number}")
+    return completions
+
+
+def parse_size(text: str | float) -> float:
+    """A model size as parameters: 9e9, "9B", "0.8b", "750M"."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    value = str(text).strip().upper()
+    scale = {"B": 1e9, "M": 1e6}.get(value[-1:], 1.0)
+    try:
+        number = float(value[:-1] if scale != 1.0 else value) * scale
+    except ValueError:
+        raise UsageError(f"model size {text!r}: give parameters like 9B, 0.8B or 750M") from None
+    if number <= 0:
+        raise UsageError(f"model size {text!r} must be positive")
+    return number
+
+
+def default_threshold(model_size: str | float, records: list[dict] | None = None) -> tuple[float, str]:
+    """The widest bf16 noise band (TF32 off, any GDN kernels) recorded for the model nearest in size,
+    and a label saying which record it came from."""
+    from spectie.records import load_records
+    from spectie.sensitivity import band_points
+
+    size = parse_size(model_size)
+    if records is None:
+        records = load_records(chapter="reduction_order", kind="reduction-sweep")
+    points = [p for p in band_points(records) if p["dtype"] == "bfloat16" and not p["tf32"] and p["parameters"]]
+    if not points:
+        raise UsageError("no bf16 noise band is recorded (results/…/reduction_order/): give --threshold")
+    nearest = min(points, key=lambda p: abs(math.log(p["parameters"] / size)))["parameters"]
+    widest = max((p for p in points if p["parameters"] == nearest), key=lambda p: p["band"])
+    return widest["band"], widest["label"]
