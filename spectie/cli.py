@@ -119,6 +119,32 @@ def _cmd_tiestop(args) -> int:
     return 1 if args.fail_on_flag and any(v.flagged for v in verdicts) else 0
 
 
+def _cmd_classify(args) -> int:
+    import json
+
+    from spectie import divergence
+    from spectie.records import read_record
+
+    if args.record:
+        pair = divergence.pair_from_records(read_record(args.record), divergence.baseline_record(args.record),
+                                            args.repeat)
+    else:
+        pair = divergence.read_pair(args.pair)
+    model = args.model or pair.get("model") or "organism"
+    result = divergence.classify(model, pair["prompt_token_ids"], pair["a"], pair["b"], args.threshold, args.device)
+    if args.json:
+        print(json.dumps(result.as_dict()))
+    else:
+        names = f"{pair.get('a_name', 'a')} vs {pair.get('b_name', 'b')}"
+        print(f"{names}: {result.verdict}")
+        print(f"  {result.explanation}")
+        if result.position is not None:
+            print(f"  fp32 margin {result.reference_margin:+.4f}, bf16 margin {result.serving_margin:+.4f}, "
+                  f"fp32 ranks {result.rank_a} and {result.rank_b} (its top-1: {result.reference_top1!r}); "
+                  f"threshold {result.threshold:.3f} ({result.threshold_origin})")
+    return 1 if args.fail_on_bug and result.verdict == divergence.SUSPECTED_BUG else 0
+
+
 def _key_value(text: str) -> tuple[str, object]:
     import yaml
 
@@ -168,6 +194,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON verdict per line")
     p.add_argument("--fail-on-flag", action="store_true", help="exit 1 when any completion is flagged")
     p.set_defaults(func=_cmd_tiestop)
+
+    p = sub.add_parser("classify", help="is the first divergence of two greedy outputs a near-tie or a bug?",
+                       description="Find the first divergence of two token sequences generated from one prompt and "
+                                   "classify it with the fp32 reference: numerical near-tie (inside the noise band) "
+                                   "or suspected correctness bug.")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("pair", nargs="?", help="JSON file: prompt_token_ids, a, b (token id lists), optional model")
+    source.add_argument("--record", help="a reproduction record: its repeat against its baseline's")
+    p.add_argument("--repeat", type=int, default=0, help="which repeat of the records (default 0)")
+    p.add_argument("--model", help="organism, a model folder or a hub id (default: the pair's or the record's)")
+    p.add_argument("--threshold", type=float, help="noise band in logits (default: recorded band of the nearest size)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true", help="the verdict as one JSON object")
+    p.add_argument("--fail-on-bug", action="store_true", help="exit 1 on a suspected correctness bug")
+    p.set_defaults(func=_cmd_classify)
 
     p = sub.add_parser("list", help="list chapters and environments")
     p.set_defaults(func=_cmd_list)

@@ -1,7 +1,8 @@
 """One vLLM engine in its own process: the reproduction chapter's child (run by spectie.reproduce).
 
-It imports only the standard library and vLLM, so it runs in any environment's interpreter (the
-project's `.venv` with the CPU build of vLLM, or an environment's own venv with the official wheel).
+It imports only the standard library, vLLM and `spectie.tiestop` (standard library only), so it runs in
+any environment's interpreter (the project's `.venv` with the CPU build of vLLM, or an environment's
+own venv with the official wheel).
 
     python -m spectie.engine_child probe             # vLLM version, platform, accepted engine arguments
     python -m spectie.engine_child run request.json  # one engine, `repeats` greedy generations
@@ -88,6 +89,23 @@ def difference(after: dict, before: dict) -> dict:
     return out
 
 
+def margins(result) -> dict:
+    """From a `RequestOutput` with top-2 logprobs: each output token's logprob margin over the best other
+    token (the stop token's is the tie-stop detector's figure), and the detector's reading of the stop."""
+    choice = result.outputs[0]
+    if not choice.logprobs:
+        return {}
+    from spectie import tiestop  # stdlib only, like this module
+
+    [completion] = tiestop.from_request_output(result)
+    top2 = [step.logprob - max((lp for token, lp in step.top.items() if token != step.token), default=float("nan"))
+            for step in completion.steps]
+    verdict = tiestop.check(completion, threshold=0.0)
+    stop = ({"position": verdict.position, "stop_token": verdict.stop_token, "runner_up": verdict.runner_up,
+             "margin": verdict.margin} if verdict.margin is not None else None)
+    return {"top2_margins": [round(m, 5) for m in top2], "stop_margin": stop}
+
+
 def run(request: dict) -> None:
     phase = "import"
     try:
@@ -110,13 +128,14 @@ def run(request: dict) -> None:
         for index in range(request["repeats"]):
             before = spec_counters(llm)
             started = time.monotonic()
-            output = llm.generate([prompt], sampling, use_tqdm=False)[0].outputs[0]
+            result = llm.generate([prompt], sampling, use_tqdm=False)[0]
+            output = result.outputs[0]
             ids = list(output.token_ids)
             emit("repeat", index=index, seconds=round(time.monotonic() - started, 3),
                  finish_reason=output.finish_reason, stop_reason=output.stop_reason,
                  token_ids=ids, token_hash=token_hash(ids), output_tokens=len(ids),
                  tail_tokens=tokenizer.convert_ids_to_tokens(ids[-tail:]),
-                 tail_text=output.text[-160:], speculation=difference(spec_counters(llm), before))
+                 tail_text=output.text[-160:], speculation=difference(spec_counters(llm), before), **margins(result))
         emit("done")
     except BaseException as error:  # recorded by the parent; the matrix goes on
         lines = traceback.format_exc().strip().splitlines()

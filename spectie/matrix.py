@@ -55,8 +55,9 @@ class EngineConfig:
         return env
 
     def sampling_kwargs(self) -> dict:
-        """Keyword arguments of `vllm.SamplingParams`."""
-        return {"temperature": self.temperature, "max_tokens": self.max_tokens}
+        """Keyword arguments of `vllm.SamplingParams`; top-2 logprobs give each token's margin over the
+        runner-up (the tie-stop detector reads the stop token's)."""
+        return {"temperature": self.temperature, "max_tokens": self.max_tokens, "logprobs": 2}
 
     def describe(self) -> dict:
         return asdict(self)

@@ -235,6 +235,7 @@ def summarize(outcome: Outcome, config: EngineConfig, prompt_len: int, baseline:
             "stop_position": prompt_len + r["output_tokens"] if r["finish_reason"] == "stop" else None,
             "token_hash": r["token_hash"], "token_ids": r["token_ids"], "tail_tokens": r["tail_tokens"],
             "tail_text": r["tail_text"], "seconds": r["seconds"], "speculation": r.get("speculation") or {},
+            "stop_margin": r.get("stop_margin"), "top2_margins": r.get("top2_margins"),
             "same_as_baseline": None if baseline is None else divergence is None,
             "first_divergence": divergence,
         })
@@ -283,6 +284,7 @@ def make_record(config: EngineConfig, matrix: Matrix, request: dict, results: di
         "configuration": config.id, "matrix": matrix.name, "baseline": matrix.baseline, "model": model_label,
         "repeats": config.repeats, "batch_invariant": config.batch_invariant, "llm_kwargs": kwargs,
         "environment_variables": request["environment"], "request_key": key,
+        "prompt_token_ids": list(request["prompt_token_ids"]),
     }
     record = measured_record(
         record_id=record_id(matrix, config, environment), kind="engine-outcome", chapter=CHAPTER,

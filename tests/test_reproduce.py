@@ -208,6 +208,21 @@ def test_real_vllm_cpu_plain_and_mtp_on_the_organism(tmp_path):
     assert mtp["repeats"][0]["speculation"]["num_draft_tokens"] > 0
     assert mtp["repeats"][0]["same_as_baseline"] is False and mtp["repeats"][0]["first_divergence"] is not None
     assert records[1]["fingerprint"]["vllm"] == "0.32.0"
+    # Top-2 logprobs came back from vLLM: a margin per output token, the stop's read by the tie-stop detector.
+    for results in (plain, mtp):
+        repeat = results["repeats"][0]
+        assert len(repeat["top2_margins"]) == repeat["output_tokens"]
+        stop = repeat["stop_margin"]
+        assert stop["position"] == repeat["output_tokens"] - 1 and stop["margin"] >= 0
+        assert stop["margin"] == pytest.approx(repeat["top2_margins"][-1], abs=1e-4)
+        assert stop["stop_token"].endswith("#248044")
+    # The classifier calls MTP's divergence from plain greedy a near-tie, with the fp32 reference.
+    from spectie import divergence
+
+    pair = divergence.pair_from_records(records[1], records[0])
+    result = divergence.classify("organism", pair["prompt_token_ids"], pair["a"], pair["b"])
+    assert result.position == mtp["repeats"][0]["first_divergence"]
+    assert result.verdict == divergence.NEAR_TIE, result.explanation
 
 
 def test_make_venv_refuses_what_it_cannot_install():

@@ -1,0 +1,213 @@
+"""Divergence classifier: is the first difference between two greedy outputs a near-tie or a bug?
+
+Given a prompt and two token sequences generated from it (say speculative and plain greedy), find the
+first output position where they differ and recompute, in fp32 through transformers' torch reference
+code (TF32 off), the logits at that position from the context both sequences share. If the fp32 margin
+between the two tokens lies inside the noise band, either token is what some correct computation order
+would pick: a **numerical near-tie**. Outside the band, one of the two engines picked a token that a
+correct computation would not: a **suspected correctness bug** (for example a recurrent state read from
+the wrong slot, the class of bug of vLLM #39273).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from spectie.errors import UsageError
+
+NEAR_TIE = "numerical near-tie"
+SUSPECTED_BUG = "suspected correctness bug"
+IDENTICAL = "identical"
+
+
+@dataclass(frozen=True)
+class Divergence:
+    verdict: str  # NEAR_TIE, SUSPECTED_BUG or IDENTICAL
+    position: int | None  # output token index of the first difference
+    token_a: int | None
+    token_b: int | None
+    text_a: str | None
+    text_b: str | None
+    reference_margin: float | None  # fp32 logit(token_a) - logit(token_b), from the shared context
+    serving_margin: float | None  # the same in the serving precision
+    reference_top1: str | None  # fp32's own choice there (text), and the two tokens' fp32 ranks
+    rank_a: int | None
+    rank_b: int | None
+    outside_band_a: list  # positions where a's token trails fp32's top-1, from a's own context, by more than the band
+    outside_band_b: list
+    threshold: float
+    threshold_origin: str
+    explanation: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first position where `a` and `b` differ; None if one is a prefix of the other."""
+    for index, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return index
+    return None
+
+
+def check_tokens(name: str, ids, vocab_size: int) -> list[int]:
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise UsageError(f"{name} must be a list of token ids (integers)")
+    outside = [i for i in ids if not 0 <= i < vocab_size]
+    if outside:
+        raise UsageError(f"{name}: token id(s) {outside[:5]} are outside the model's vocabulary (0..{vocab_size - 1}); "
+                         "were they produced by another tokenizer?")
+    return ids
+
+
+def trailing(logits, tokens: list[int], threshold: float, decode) -> list[dict]:
+    """Positions where the chosen token trails the row's top-1 by more than `threshold` logits (first 10)."""
+    gaps = logits.max(dim=1).values - logits[range(len(tokens)), tokens]
+    return [{"position": i, "token": decode(tokens[i]), "gap": round(float(gap), 4)}
+            for i, gap in enumerate(gaps) if gap > threshold][:10]
+
+
+def classify(model: str, prompt_ids: list[int], tokens_a: list[int], tokens_b: list[int],
+             threshold: float | None = None, device: str = "cpu", serving_dtype: str = "bfloat16") -> Divergence:
+    """Classify the first divergence of `tokens_a` from `tokens_b` (outputs generated after `prompt_ids`).
+
+    Also checks every token of both sequences against the fp32 reference from its own context: a correct
+    engine, whatever its computation order, picks a token within the noise band of the reference's top-1.
+    `threshold`: the noise band in logits; default the recorded bf16 band of the nearest model size."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from spectie.margins import check_device, load_model, reference_gdn_kernels, resolve_model, teacher_forced_logits
+    from spectie.margins import torch_dtype
+    from spectie.tiestop import default_threshold
+
+    check_device(device)
+    torch_dtype(serving_dtype)
+    path = resolve_model(model)
+    config = AutoConfig.from_pretrained(path)
+    vocab = getattr(config, "text_config", config).vocab_size
+    for name, ids in (("prompt_ids", prompt_ids), ("tokens_a", tokens_a), ("tokens_b", tokens_b)):
+        check_tokens(name, ids, vocab)
+    if not prompt_ids or not tokens_a or not tokens_b:
+        raise UsageError("the prompt and both sequences need at least one token")
+    if threshold is not None and not threshold >= 0:
+        raise UsageError(f"the threshold must be a margin in logits >= 0, got {threshold!r}")
+    index = first_difference(tokens_a, tokens_b)
+    if index is None:
+        shorter = min(len(tokens_a), len(tokens_b))
+        same = "identical" if len(tokens_a) == len(tokens_b) else f"identical over the shorter one's {shorter} tokens"
+        return Divergence(IDENTICAL, None, None, None, None, None, None, None, None, None, None, [], [],
+                          threshold if threshold is not None else float("nan"), "given" if threshold is not None else "",
+                          f"no divergence: the two sequences are {same}")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    decode = lambda token: tokenizer.decode([token])  # noqa: E731
+    start = len(prompt_ids)
+    a, b = tokens_a[index], tokens_b[index]
+    origin = "given"
+    with reference_gdn_kernels():
+        reference = load_model(path, "float32", device)
+        if threshold is None:
+            threshold, origin = default_threshold(sum(p.numel() for p in reference.parameters()))
+            origin = f"bf16 noise band of {origin}"
+        rows_a = teacher_forced_logits(reference, list(prompt_ids) + tokens_a, [start + i for i in range(len(tokens_a))])
+        rows_b = teacher_forced_logits(reference, list(prompt_ids) + tokens_b, [start + i for i in range(len(tokens_b))])
+        del reference
+        serving = load_model(path, serving_dtype, device)
+        served = teacher_forced_logits(serving, list(prompt_ids) + tokens_a[:index + 1], [start + index])[0]
+        del serving
+    row = rows_a[index]  # the shared context: both sequences agree up to `index`
+    margin = float(row[a] - row[b])
+    order = row.argsort(descending=True).tolist()
+    outside_a, outside_b = trailing(rows_a, tokens_a, threshold, decode), trailing(rows_b, tokens_b, threshold, decode)
+    text_a, text_b = decode(a), decode(b)
+    head = f"at output token {index}, {text_a!r} and {text_b!r} are {abs(margin):.3f} logits apart in fp32"
+    if abs(margin) > threshold:
+        verdict = SUSPECTED_BUG
+        explanation = (f"{head} (outside the {threshold:.3f} noise band): a correct computation would not pick "
+                       f"{text_a if margin < 0 else text_b!r} there; look for a bug")
+    elif outside_a or outside_b:
+        verdict = SUSPECTED_BUG
+        name, where = ("a", outside_a) if outside_a else ("b", outside_b)
+        explanation = (f"{head} (a near-tie), but sequence {name} later picks, from its own context, tokens that "
+                       f"the fp32 reference ranks more than the {threshold:.3f} noise band below its top-1 (first at "
+                       f"output token {where[0]['position']}, {where[0]['gap']:.3f} logits): look for a bug")
+    else:
+        verdict = NEAR_TIE
+        explanation = (f"{head} (within the {threshold:.3f} noise band), and every token of both sequences is within "
+                       "the band of fp32's own choice: either is what some correct computation order picks")
+    return Divergence(verdict, index, a, b, text_a, text_b, margin, float(served[a] - served[b]), decode(order[0]),
+                      order.index(a) + 1, order.index(b) + 1, outside_a, outside_b, threshold, origin, explanation)
+
+
+def read_pair(path: str | Path) -> dict:
+    """A JSON file with `prompt_token_ids`, `a` and `b` (token id lists) and optionally `model`."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"no such file: {path}")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{path}: not JSON ({exc.msg})") from None
+    missing = [k for k in ("prompt_token_ids", "a", "b") if k not in data]
+    if missing:
+        raise UsageError(f"{path}: missing {', '.join(missing)} (expected prompt_token_ids, a, b: lists of token ids)")
+    return data
+
+
+def greedy_with_lost_state(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: list[int],
+                           corrupt_at: int) -> list[int]:
+    """A planted bug: greedy decoding one token per step in which, from output token `corrupt_at` on, every
+    GDN layer reads its recurrent state from an empty slot (zeros) instead of its own: the class of bug of
+    vLLM #39273 (a state read from the wrong slot). Returns the output token ids."""
+    import torch
+
+    if corrupt_at < 0:
+        raise UsageError("corrupt_at is an output token index (>= 0)")
+    device = next(model.parameters()).device
+    output = []
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True)
+        cache = out.past_key_values
+        for step in range(max_new_tokens):
+            token = int(out.logits[0, -1].argmax())
+            output.append(token)
+            if token in eos_ids:
+                break
+            if step >= corrupt_at:
+                for layer in cache.layers:
+                    if hasattr(layer, "recurrent_states"):  # GDN layers; attention layers keep their keys
+                        layer.recurrent_states[0].zero_()
+            out = model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache, use_cache=True)
+    return output
+
+
+def pair_from_records(record: dict, baseline: dict, repeat: int = 0) -> dict:
+    """The classifier's input from two reproduction records (`engine-outcome`) of one matrix run: the
+    prompt, one repeat of `record` as a, the same repeat of its baseline as b."""
+    for r in (record, baseline):
+        if r.get("kind") != "engine-outcome" or "prompt_token_ids" not in r["parameters"]:
+            raise UsageError(f"record {r.get('id')!r} is not a reproduction record with its prompt "
+                             "(records from before prompts were recorded cannot be classified)")
+        if len(r["results"]["repeats"]) <= repeat:
+            raise UsageError(f"record {r['id']!r} has no repeat {repeat} (status {r['results']['status']})")
+    if record["parameters"]["prompt_token_ids"] != baseline["parameters"]["prompt_token_ids"]:
+        raise UsageError(f"records {record['id']!r} and {baseline['id']!r} were run on different prompts")
+    return {"prompt_token_ids": record["parameters"]["prompt_token_ids"], "model": record["parameters"]["model"],
+            "a": record["results"]["repeats"][repeat]["token_ids"], "b": baseline["results"]["repeats"][repeat]["token_ids"],
+            "a_name": record["parameters"]["configuration"], "b_name": baseline["parameters"]["configuration"]}
+
+
+def baseline_record(record_path: str | Path) -> dict:
+    """The baseline record beside a reproduction record (same folder, the configuration its record names)."""
+    from spectie.records import read_record
+
+    record_path = Path(record_path)
+    record = read_record(record_path)
+    name = record["parameters"].get("baseline")
+    for path in sorted(record_path.parent.glob("*.json")):
+        other = read_record(path)
+        if other.get("kind") == "engine-outcome" and other["parameters"].get("configuration") == name:
+            return other
+    raise UsageError(f"no record of the baseline configuration {name!r} beside {record_path}")

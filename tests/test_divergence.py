@@ -1,0 +1,77 @@
+"""Divergence classifier on the organism: a planted state bug, identical pairs, bad input, the command line."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from spectie import divergence
+from spectie.errors import UsageError
+
+
+@pytest.fixture(scope="module")
+def organism_runs():
+    """The organism's prompt, its plain bf16 greedy output, and the output of the same decoding with a
+    planted bug (GDN states read from an empty slot from the first output token on)."""
+    from transformers import AutoTokenizer
+
+    from spectie.margins import greedy_generate, load_model, reference_gdn_kernels, resolve_model
+    from spectie.prompts import PromptSpec, build_prompt
+
+    path = resolve_model("organism")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    prompt = list(build_prompt(PromptSpec(tokens=1845, seed=0), tokenizer).token_ids)
+    eos = [tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+    with reference_gdn_kernels():
+        model = load_model(path, "bfloat16")
+        plain = greedy_generate(model, prompt, 96, eos).output_ids
+        buggy = divergence.greedy_with_lost_state(model, prompt, 96, eos, corrupt_at=0)
+    return prompt, plain, buggy
+
+
+def test_a_planted_state_bug_is_a_suspected_bug(organism_runs):
+    prompt, plain, buggy = organism_runs
+    assert buggy != plain
+    result = divergence.classify("organism", prompt, buggy, plain)
+    assert result.verdict == divergence.SUSPECTED_BUG, result.explanation
+    assert result.position == divergence.first_difference(buggy, plain)
+    assert abs(result.reference_margin) > result.threshold or result.outside_band_a
+    assert result.outside_band_a and not result.outside_band_b  # the buggy run strays; plain bf16 does not
+    assert "organism" in result.threshold_origin
+
+
+def test_identical_sequences_are_said_to_be_identical(organism_runs):
+    prompt, plain, _ = organism_runs
+    result = divergence.classify("organism", prompt, plain, plain)
+    assert result.verdict == divergence.IDENTICAL and "identical" in result.explanation
+    assert divergence.classify("organism", prompt, plain[:5], plain).verdict == divergence.IDENTICAL
+
+
+def test_bad_input_is_refused_before_any_model_loads():
+    with pytest.raises(UsageError, match="outside the model's vocabulary"):
+        divergence.classify("organism", [1, 2], [3, 10**7], [3, 4])
+    with pytest.raises(UsageError, match="list of token ids"):
+        divergence.classify("organism", [1, 2], ["a"], [3])
+    with pytest.raises(UsageError, match="threshold"):
+        divergence.classify("organism", [1, 2], [3], [4], threshold=-1.0)
+
+
+def test_the_command_line_classifies_a_pair_file(organism_runs, tmp_path):
+    prompt, plain, buggy = organism_runs
+    run = lambda *args: subprocess.run([sys.executable, "-m", "spectie", "classify", *args], cwd=ROOT,
+                                       capture_output=True, text=True)
+    same = tmp_path / "same.json"
+    same.write_text(json.dumps({"prompt_token_ids": prompt, "a": plain, "b": plain}))
+    result = run(str(same))
+    assert result.returncode == 0 and "identical" in result.stdout, result.stderr
+    bug = tmp_path / "bug.json"
+    bug.write_text(json.dumps({"prompt_token_ids": prompt, "a": buggy, "b": plain, "model": "organism"}))
+    result = run(str(bug), "--json", "--fail-on-bug")
+    assert result.returncode == 1 and json.loads(result.stdout)["verdict"] == divergence.SUSPECTED_BUG
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps({"a": [1]}))
+    result = run(str(broken))
+    assert result.returncode == 2 and "missing prompt_token_ids, b" in result.stderr
+    assert run("--help").returncode == 0
