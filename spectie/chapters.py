@@ -44,6 +44,12 @@ CHAPTERS = {
                 ("artifacts/organism/*.json", "artifacts/organism/*.safetensors", "results/reported/**/*.json",
                  "results/measured/*/reduction_order/*.json", "environments/*.yaml"),
                 "Reduction-order sensitivity: logits per computation shape and the bf16 noise band"),
+        Chapter("guidance", "notebooks/guidance.ipynb",
+                ("artifacts/organism/*.json", "artifacts/organism/*.safetensors", "results/reported/**/*.json",
+                 "results/measured/*/reproduce/*.json", "results/measured/*/margins/*.json",
+                 "results/measured/*/reduction_order/*.json", "environments/*.yaml"),
+                "Guidance for operators: each workaround against the records, the tie-stop detector and the "
+                "divergence classifier on the recorded runs, a decision path"),
         Chapter("environments", "notebooks/environments.ipynb", ("results/**/*.json", "environments/*.yaml"),
                 "Environments appendix, generated from environments/ and the records"),
     )

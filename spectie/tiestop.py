@@ -171,3 +171,13 @@ def default_threshold(model_size: str | float, records: list[dict] | None = None
     nearest = min(points, key=lambda p: abs(math.log(p["parameters"] / size)))["parameters"]
     widest = max((p for p in points if p["parameters"] == nearest), key=lambda p: p["band"])
     return widest["band"], widest["label"]
+
+
+def threshold_for_model(model_path: str) -> tuple[float, str]:
+    """`default_threshold` for a model folder (or hub id), its parameters counted without loading weights."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    return default_threshold(sum(p.numel() for p in model.parameters()))

@@ -34,7 +34,7 @@ def _text(html_file: Path) -> str:
 
 def test_the_first_build_executes_every_chapter_without_warnings(built):
     root, result = built
-    assert "executed 5 chapter(s): incident, margins, reproduce, reduction_order, environments" in result.stdout
+    assert "executed 6 chapter(s): incident, margins, reproduce, reduction_order, guidance, environments" in result.stdout
     assert "build succeeded" in result.stdout
     assert "WARNING:" not in result.stdout + result.stderr  # Sphinx's warnings (-W turns them into errors)
 

@@ -15,20 +15,9 @@ from spectie.errors import UsageError
 def organism_runs():
     """The organism's prompt, its plain bf16 greedy output, and the output of the same decoding with a
     planted bug (GDN states read from an empty slot from the first output token on)."""
-    from transformers import AutoTokenizer
+    from spectie.guidance import planted_bug
 
-    from spectie.margins import greedy_generate, load_model, reference_gdn_kernels, resolve_model
-    from spectie.prompts import PromptSpec, build_prompt
-
-    path = resolve_model("organism")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    prompt = list(build_prompt(PromptSpec(tokens=1845, seed=0), tokenizer).token_ids)
-    eos = [tokenizer.convert_tokens_to_ids("<|endoftext|>")]
-    with reference_gdn_kernels():
-        model = load_model(path, "bfloat16")
-        plain = greedy_generate(model, prompt, 96, eos).output_ids
-        buggy = divergence.greedy_with_lost_state(model, prompt, 96, eos, corrupt_at=0)
-    return prompt, plain, buggy
+    return planted_bug("organism")
 
 
 def test_a_planted_state_bug_is_a_suspected_bug(organism_runs):

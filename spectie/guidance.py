@@ -1,0 +1,87 @@
+"""The guidance chapter's evidence: the tie-stop detector and the divergence classifier applied to the
+recorded vLLM runs, and the classifier on a planted state bug."""
+
+from __future__ import annotations
+
+from spectie import divergence
+
+
+def detector_rows(records: list[dict], threshold: float) -> list[dict]:
+    """One row per reproduction record that ran: how its first repeat ended, and whether the tie-stop
+    detector flags that stop (from the stop margin vLLM's own top-2 logprobs gave)."""
+    rows = []
+    for record in records:
+        results = record["results"]
+        if not results["repeats"]:
+            continue
+        repeat = results["repeats"][0]
+        stop = repeat.get("stop_margin")
+        row = {"configuration": record["parameters"]["configuration"], "finish": repeat["finish_reason"],
+               "output tokens": repeat["output_tokens"], "stop token": None, "margin": None, "runner-up": None,
+               "flagged": None}
+        if stop:
+            row.update({"stop token": stop["stop_token"], "margin": stop["margin"], "runner-up": stop["runner_up"],
+                        "flagged": stop["margin"] < threshold})
+        rows.append(row)
+    return rows
+
+
+def speculative_divergences(records: list[dict]) -> list[tuple[dict, dict]]:
+    """(record, its baseline) for every reproduction record whose first repeat diverged from the baseline."""
+    by_name = {r["parameters"]["configuration"]: r for r in records}
+    pairs = []
+    for record in records:
+        baseline = by_name.get(record["parameters"].get("baseline"))
+        repeats = record["results"]["repeats"]
+        if baseline is not None and baseline is not record and repeats and repeats[0].get("first_divergence") is not None:
+            pairs.append((record, baseline))
+    return pairs
+
+
+def classifier_row(name: str, result: divergence.Divergence) -> dict:
+    return {"pair": name, "verdict": result.verdict, "first divergence (output token)": result.position,
+            "tokens (a / b)": f"{result.text_a!r} / {result.text_b!r}", "fp32 margin": result.reference_margin,
+            "bf16 margin": result.serving_margin, "a outside the band": len(result.outside_band_a),
+            "b outside the band": len(result.outside_band_b), "threshold": result.threshold}
+
+
+def planted_bug(model: str = "organism", prompt_tokens: int = 1845, seed: int = 0, new_tokens: int = 96,
+                corrupt_at: int = 0) -> tuple[list[int], list[int], list[int]]:
+    """The prompt, plain bf16 greedy output, and the output with GDN states lost from `corrupt_at` on."""
+    from transformers import AutoTokenizer
+
+    from spectie.margins import greedy_generate, load_model, reference_gdn_kernels, resolve_model
+    from spectie.prompts import PromptSpec, build_prompt
+
+    path = resolve_model(model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    prompt = list(build_prompt(PromptSpec(tokens=prompt_tokens, seed=seed), tokenizer).token_ids)
+    eos = [tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+    with reference_gdn_kernels():
+        loaded = load_model(path, "bfloat16")
+        plain = greedy_generate(loaded, prompt, new_tokens, eos).output_ids
+        buggy = divergence.greedy_with_lost_state(loaded, prompt, new_tokens, eos, corrupt_at)
+    return prompt, plain, buggy
+
+
+def band_points() -> list[dict]:
+    """The recorded noise bands per model, precision and kernels (reduction-order chapter)."""
+    from spectie.records import load_records
+    from spectie.sensitivity import band_points as points
+
+    return points(load_records(chapter="reduction_order", kind="reduction-sweep"))
+
+
+def row_counts(records: list[dict], model_path: str, marker: str = "[DATA]") -> list[dict]:
+    """The integrity check a caller can make: data rows in each run's output (first repeat)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    rows = []
+    for record in records:
+        if record["results"]["repeats"]:
+            repeat = record["results"]["repeats"][0]
+            text = tokenizer.decode(repeat["token_ids"])
+            rows.append({"configuration": record["parameters"]["configuration"], "finish": repeat["finish_reason"],
+                         "output tokens": repeat["output_tokens"], f"{marker} rows written": text.count(marker)})
+    return rows
