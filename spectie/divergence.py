@@ -45,14 +45,6 @@ class Divergence:
         return asdict(self)
 
 
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """Index of the first position where `a` and `b` differ; None if one is a prefix of the other."""
-    for index, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return index
-    return None
-
-
 def check_tokens(name: str, ids, vocab_size: int) -> list[int]:
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise UsageError(f"{name} must be a list of token ids (integers)")
@@ -81,7 +73,8 @@ def classify(model: str, prompt_ids: list[int], tokens_a: list[int], tokens_b: l
 
     from spectie.margins import check_device, load_model, reference_gdn_kernels, resolve_model, teacher_forced_logits
     from spectie.margins import torch_dtype
-    from spectie.tiestop import default_threshold
+    from spectie.reproduce import first_divergence
+    from spectie.tiestop import threshold_for_model
 
     check_device(device)
     torch_dtype(serving_dtype)
@@ -94,8 +87,8 @@ def classify(model: str, prompt_ids: list[int], tokens_a: list[int], tokens_b: l
         raise UsageError("the prompt and both sequences need at least one token")
     if threshold is not None and not threshold >= 0:
         raise UsageError(f"the threshold must be a margin in logits >= 0, got {threshold!r}")
-    index = first_difference(tokens_a, tokens_b)
-    if index is None:
+    index = first_divergence(tokens_a, tokens_b)
+    if index is None or index == min(len(tokens_a), len(tokens_b)):  # one is a prefix of the other
         shorter = min(len(tokens_a), len(tokens_b))
         same = "identical" if len(tokens_a) == len(tokens_b) else f"identical over the shorter one's {shorter} tokens"
         return Divergence(IDENTICAL, None, None, None, None, None, None, None, None, None, None, [], [],
@@ -106,11 +99,11 @@ def classify(model: str, prompt_ids: list[int], tokens_a: list[int], tokens_b: l
     start = len(prompt_ids)
     a, b = tokens_a[index], tokens_b[index]
     origin = "given"
+    if threshold is None:
+        threshold, origin = threshold_for_model(path)
+        origin = f"bf16 noise band of {origin}"
     with reference_gdn_kernels():
         reference = load_model(path, "float32", device)
-        if threshold is None:
-            threshold, origin = default_threshold(sum(p.numel() for p in reference.parameters()))
-            origin = f"bf16 noise band of {origin}"
         rows_a = teacher_forced_logits(reference, list(prompt_ids) + tokens_a, [start + i for i in range(len(tokens_a))])
         rows_b = teacher_forced_logits(reference, list(prompt_ids) + tokens_b, [start + i for i in range(len(tokens_b))])
         del reference

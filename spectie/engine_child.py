@@ -98,8 +98,7 @@ def margins(result) -> dict:
     from spectie import tiestop  # stdlib only, like this module
 
     [completion] = tiestop.from_request_output(result)
-    top2 = [step.logprob - max((lp for token, lp in step.top.items() if token != step.token), default=float("nan"))
-            for step in completion.steps]
+    top2 = [tiestop.runner_up(step)[1] for step in completion.steps]
     verdict = tiestop.check(completion, threshold=0.0)
     stop = ({"position": verdict.position, "stop_token": verdict.stop_token, "runner_up": verdict.runner_up,
              "margin": verdict.margin} if verdict.margin is not None else None)

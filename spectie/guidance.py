@@ -64,14 +64,6 @@ def planted_bug(model: str = "organism", prompt_tokens: int = 1845, seed: int = 
     return prompt, plain, buggy
 
 
-def band_points() -> list[dict]:
-    """The recorded noise bands per model, precision and kernels (reduction-order chapter)."""
-    from spectie.records import load_records
-    from spectie.sensitivity import band_points as points
-
-    return points(load_records(chapter="reduction_order", kind="reduction-sweep"))
-
-
 def row_counts(records: list[dict], model_path: str, marker: str = "[DATA]") -> list[dict]:
     """The integrity check a caller can make: data rows in each run's output (first repeat)."""
     from transformers import AutoTokenizer

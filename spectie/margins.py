@@ -87,6 +87,17 @@ def check_memory(model: str, config, dtype: str, device: str) -> None:
                              f"the GPU has {free / 2**30:.1f} GiB free")
 
 
+def parameter_count(config) -> int:
+    """Parameters of the causal LM a config describes (a tied head counted once), built on the meta
+    device: no weights are loaded or allocated."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
 GDN_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
                  "causal_conv1d_update")
 

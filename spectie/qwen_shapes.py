@@ -70,13 +70,10 @@ def config(name: str):
 
 
 def parameter_count(name: str) -> int:
-    """Parameters of the shape (a tied head counted once), from a model built on the meta device."""
-    import torch
-    from transformers import Qwen3_5ForCausalLM
+    """Parameters of the shape (a tied head counted once), without building its weights."""
+    from spectie.margins import parameter_count as count
 
-    with torch.device("meta"):
-        model = Qwen3_5ForCausalLM(config(name))
-    return sum(p.numel() for p in model.parameters())
+    return count(config(name))
 
 
 def bytes_per_parameter(dtype: str) -> int:

@@ -318,8 +318,7 @@ def measured_sweep_record(dump: dict, environment: str, chapter: str = "reductio
 
     host = dump["fingerprint"]["host_id"]
     model = dump["parameters"]["model"]
-    weights = dump["results"].get("weights", {}).get("kind", "trained checkpoint")
-    label = f"{model} ({weights})" if weights == qwen_shapes.LABEL else model
+    label = f"{model} ({qwen_shapes.LABEL})" if weights_of(dump) == qwen_shapes.LABEL else model
     return {
         "schema_version": 1, "id": f"{chapter}-{environment}-{model}-{host}".replace("_", "-").replace(".", "-"),
         "provenance": "measured", "kind": "reduction-sweep", "chapter": chapter,
@@ -332,7 +331,8 @@ def measured_sweep_record(dump: dict, environment: str, chapter: str = "reductio
 
 
 def weights_of(record: dict) -> str:
-    """`trained checkpoint` or `random-weight shape` (records from before shapes existed: trained)."""
+    """`trained checkpoint` or `random-weight shape` of a record or a sweep dump (records from before
+    shapes existed: trained)."""
     return record["results"].get("weights", {}).get("kind", "trained checkpoint")
 
 
@@ -347,6 +347,13 @@ def summary_rows(record: dict) -> list[dict]:
     return [{"model": model_label(record), "host": host,
              **{k: v for k, v in row.items() if k not in ("pairs", "margin_shifts")}}
             for row in record["results"]["rows"]]
+
+
+def recorded_band_points() -> list[dict]:
+    """`band_points` of every sweep recorded under results/."""
+    from spectie.records import load_records
+
+    return band_points(load_records(chapter="reduction_order", kind="reduction-sweep"))
 
 
 def band_points(records: list[dict]) -> list[dict]:

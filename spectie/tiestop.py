@@ -58,6 +58,16 @@ class Verdict:
         return asdict(self)
 
 
+def runner_up(step: Step) -> tuple[str | None, float]:
+    """The best token offered other than the chosen one, and the chosen token's margin over it in logits
+    (None and NaN when the logprobs hold only the chosen token)."""
+    others = {token: lp for token, lp in step.top.items() if token != step.token}
+    if not others:
+        return None, float("nan")
+    token, logprob = max(others.items(), key=lambda item: item[1])
+    return token, step.logprob - logprob
+
+
 def check(completion: Completion, threshold: float) -> Verdict:
     """Flag a stop that won by less than `threshold` logits; a completion that did not stop is not flagged."""
     if threshold < 0 or math.isnan(threshold):
@@ -69,17 +79,15 @@ def check(completion: Completion, threshold: float) -> Verdict:
     if not completion.steps:
         raise UsageError(f"{completion.source} {completion.request}: the completion has no logprobs; {HOW_TO_REQUEST}")
     last = completion.steps[-1]
-    others = {token: lp for token, lp in last.top.items() if token != last.token}
-    if not others:
+    other, margin = runner_up(last)
+    if other is None:
         raise UsageError(f"{completion.source} {completion.request}: the logprobs hold only the chosen token at the "
                          f"stop (top-1); the margin needs the runner-up: {HOW_TO_REQUEST}")
-    runner_up, runner_lp = max(others.items(), key=lambda item: item[1])
-    margin = last.logprob - runner_lp
     flagged = margin < threshold
-    explanation = (f"the stop token {last.token!r} won by {margin:.3f} logits over {runner_up!r}: "
+    explanation = (f"the stop token {last.token!r} won by {margin:.3f} logits over {other!r}: "
                    + ("inside the noise band, a near-tie another computation shape could flip" if flagged
                       else "outside the noise band"))
-    return Verdict(flagged, position=len(completion.steps) - 1, stop_token=last.token, runner_up=runner_up,
+    return Verdict(flagged, position=len(completion.steps) - 1, stop_token=last.token, runner_up=other,
                    margin=margin, explanation=explanation, **common)
 
 
@@ -159,13 +167,11 @@ def parse_size(text: str | float) -> float:
 def default_threshold(model_size: str | float, records: list[dict] | None = None) -> tuple[float, str]:
     """The widest bf16 noise band (TF32 off, any GDN kernels) recorded for the model nearest in size,
     and a label saying which record it came from."""
-    from spectie.records import load_records
-    from spectie.sensitivity import band_points
+    from spectie.sensitivity import band_points, recorded_band_points
 
     size = parse_size(model_size)
-    if records is None:
-        records = load_records(chapter="reduction_order", kind="reduction-sweep")
-    points = [p for p in band_points(records) if p["dtype"] == "bfloat16" and not p["tf32"] and p["parameters"]]
+    recorded = recorded_band_points() if records is None else band_points(records)
+    points = [p for p in recorded if p["dtype"] == "bfloat16" and not p["tf32"] and p["parameters"]]
     if not points:
         raise UsageError("no bf16 noise band is recorded (results/…/reduction_order/): give --threshold")
     nearest = min(points, key=lambda p: abs(math.log(p["parameters"] / size)))["parameters"]
@@ -175,9 +181,8 @@ def default_threshold(model_size: str | float, records: list[dict] | None = None
 
 def threshold_for_model(model_path: str) -> tuple[float, str]:
     """`default_threshold` for a model folder (or hub id), its parameters counted without loading weights."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
-    return default_threshold(sum(p.numel() for p in model.parameters()))
+    from spectie.margins import parameter_count
+
+    return default_threshold(parameter_count(AutoConfig.from_pretrained(model_path)))

@@ -9,6 +9,7 @@ import pytest
 from conftest import ROOT
 from spectie import divergence
 from spectie.errors import UsageError
+from spectie.reproduce import first_divergence
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,7 @@ def test_a_planted_state_bug_is_a_suspected_bug(organism_runs):
     assert buggy != plain
     result = divergence.classify("organism", prompt, buggy, plain)
     assert result.verdict == divergence.SUSPECTED_BUG, result.explanation
-    assert result.position == divergence.first_difference(buggy, plain)
+    assert result.position == first_divergence(buggy, plain)
     assert abs(result.reference_margin) > result.threshold or result.outside_band_a
     assert result.outside_band_a and not result.outside_band_b  # the buggy run strays; plain bf16 does not
     assert "organism" in result.threshold_origin
