@@ -19,7 +19,8 @@ help:
 	@echo "make setup   create $(VENV) with the pinned requirements (idempotent)"
 	@echo "make build   execute stale chapters (papermill), then build the HTML into $(HTML)"
 	@echo "make test    run the tests (installs what it needs first); K=<expr> selects some"
-	@echo "make run CHAPTER=<name> [PARAMS=params.yaml] [ENV=<environment>] [MODEL=<folder or hub id>]   one chapter on this host"
+	@echo "make run CHAPTER=<name> [PARAMS=params.yaml] [ENV=<environment>] [MODEL=<folder or hub id>] [DEVICE=cuda]"
+	@echo "            one chapter on this host: checks the host, then records under results/measured/<env>-<host id>/"
 	@echo "make bench [MODEL=<model or shape>] [DEVICE=cuda] [ENV=<environment>]   cost of the reduction-order scans, recorded"
 	@echo "make venv ENV=<environment>   that environment's vLLM in .venvs/<environment> (GPU hosts)"
 	@echo "make list    list chapters and environments"
@@ -69,7 +70,8 @@ build: check-setup
 
 run: check-setup
 	@test -n "$(CHAPTER)" || { echo "error: give CHAPTER=<name>; valid chapters:" >&2; $(PY) -m spectie list >&2; exit 2; }
-	$(PY) -m spectie run $(CHAPTER) $(if $(PARAMS),--params $(PARAMS)) $(if $(ENV),--env $(ENV)) $(if $(MODEL),--set model=$(MODEL))
+	$(PY) -m spectie run $(CHAPTER) $(if $(PARAMS),--params $(PARAMS)) $(if $(ENV),--env $(ENV)) \
+		$(if $(MODEL),--set model=$(MODEL)) $(if $(DEVICE),--set device=$(DEVICE))
 
 # Cost of the reduction-order scans on this host; prints the figures and records them (ENV, default cpu).
 bench: check-setup

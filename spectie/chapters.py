@@ -68,11 +68,20 @@ def get_chapter(name: str) -> Chapter:
 
 
 def notebook_parameters(chapter: Chapter) -> dict:
-    """The chapter's parameters and their defaults, read from its `parameters` cell."""
+    """The chapter's parameters and their defaults (as values where they are literals), read from its
+    `parameters` cell."""
+    import ast
+
     import papermill
 
     path = project_root() / chapter.notebook
-    return {name: spec["default"] for name, spec in papermill.inspect_notebook(str(path)).items()}
+    defaults = {}
+    for name, spec in papermill.inspect_notebook(str(path)).items():
+        try:
+            defaults[name] = ast.literal_eval(spec["default"])
+        except (ValueError, SyntaxError):
+            defaults[name] = spec["default"]
+    return defaults
 
 
 def load_parameters(chapter: Chapter, params_file: str | os.PathLike | None = None,
@@ -106,11 +115,15 @@ def _files(patterns: tuple[str, ...], root: Path) -> list[Path]:
     return sorted(p for p in found if not p.name.startswith(".") and "__pycache__" not in p.parts)
 
 
+BUILD_ENVIRONMENT = "cpu"  # the environment of every chapter's default parameters (what make build runs)
+
+
 def own_records_dir(chapter: Chapter) -> str:
-    """Where this chapter writes its records on this host: results/measured/<env>-<host id>/<chapter>/."""
+    """Where `make build` writes this chapter's records on this host: results/measured/cpu-<host id>/<chapter>/.
+    Records of `make run` with another environment (ENV=...) are inputs like any other host's."""
     from spectie.fingerprint import host_id
 
-    return f"results/measured/*-{host_id()}/{chapter.name}/"
+    return f"results/measured/{BUILD_ENVIRONMENT}-{host_id()}/{chapter.name}/"
 
 
 def content_hash(chapter: Chapter, parameters: dict) -> str:

@@ -37,7 +37,9 @@ def _cmd_build(args) -> int:
 
 def _cmd_run(args) -> int:
     from spectie.chapters import execute, get_chapter, load_parameters, notebook_parameters
+    from spectie import host
     from spectie.environments import get_environment
+    from spectie.fingerprint import host_id
     from spectie.paths import project_root
 
     chapter = get_chapter(args.chapter)
@@ -48,8 +50,14 @@ def _cmd_run(args) -> int:
             overrides.setdefault("environment", args.env)
     _check_inputs()
     parameters = load_parameters(chapter, args.params, overrides)
+    effective = {**notebook_parameters(chapter), **parameters}
+    environment = get_environment(str(effective.get("environment") or args.env or "cpu"))
+    for line in host.check(chapter.name, environment, effective):  # before anything heavy starts
+        print(f"host check: {line}")
     output = Path(args.output) if args.output else project_root() / "_build" / "runs" / f"{chapter.name}.ipynb"
     print(f"running chapter {chapter.name!r} with parameters {parameters or '(defaults)'}")
+    if "environment" in effective:
+        print(f"records go to results/measured/{environment['id']}-{host_id()}/{chapter.name}/")
     execute(chapter, parameters, output=output)
     print(f"executed notebook: {output}")
     return 0

@@ -5,11 +5,12 @@ any environment's interpreter (the project's `.venv` with the CPU build of vLLM,
 own venv with the official wheel).
 
     python -m spectie.engine_child probe             # vLLM version, platform, accepted engine arguments
-    python -m spectie.engine_child run request.json  # one engine, `repeats` greedy generations
+    python -m spectie.engine_child run request.json  # one engine, `repeats` greedy generations of its
+                                                     # prompt (or of each of its `prompts`, batched)
 
 It reports on stdout, one JSON event per line after the marker `@@spectie `; every other line is
-vLLM's own log. Events: started, engine_ready, repeat (one per finished generation, so a crash
-later loses nothing), error (with the phase it happened in and the traceback's last lines), done.
+vLLM's own log. Events: started, engine_ready, repeat (one per finished generation and prompt, so a
+crash later loses nothing), error (with the phase it happened in and the traceback's last lines), done.
 """
 
 from __future__ import annotations
@@ -122,19 +123,23 @@ def run(request: dict) -> None:
         phase = "generate"
         tokenizer = llm.get_tokenizer()
         sampling = SamplingParams(**request["sampling"])
-        prompt = {"prompt_token_ids": request["prompt_token_ids"]}
+        # One prompt (the matrix) or a batch of prompts (a survey), generated together each repeat.
+        prompts = [{"prompt_token_ids": ids} for ids in request.get("prompts") or [request["prompt_token_ids"]]]
         tail = request.get("tail_tokens", 8)
         for index in range(request["repeats"]):
             before = spec_counters(llm)
             started = time.monotonic()
-            result = llm.generate([prompt], sampling, use_tqdm=False)[0]
-            output = result.outputs[0]
-            ids = list(output.token_ids)
-            emit("repeat", index=index, seconds=round(time.monotonic() - started, 3),
-                 finish_reason=output.finish_reason, stop_reason=output.stop_reason,
-                 token_ids=ids, token_hash=token_hash(ids), output_tokens=len(ids),
-                 tail_tokens=tokenizer.convert_ids_to_tokens(ids[-tail:]),
-                 tail_text=output.text[-160:], speculation=difference(spec_counters(llm), before), **margins(result))
+            results = llm.generate(prompts, sampling, use_tqdm=False)
+            seconds = round(time.monotonic() - started, 3)
+            speculation = difference(spec_counters(llm), before)  # of the whole batch
+            for number, result in enumerate(results):
+                output = result.outputs[0]
+                ids = list(output.token_ids)
+                emit("repeat", index=index, prompt=number, seconds=seconds,
+                     finish_reason=output.finish_reason, stop_reason=output.stop_reason,
+                     token_ids=ids, token_hash=token_hash(ids), output_tokens=len(ids),
+                     tail_tokens=tokenizer.convert_ids_to_tokens(ids[-tail:]),
+                     tail_text=output.text[-160:], speculation=speculation, **margins(result))
         emit("done")
     except BaseException as error:  # recorded by the parent; the matrix goes on
         lines = traceback.format_exc().strip().splitlines()

@@ -163,3 +163,22 @@ def band_by_model(points: list[dict], incident_margin: float | None, title: str)
     fig.tight_layout()
     plt.close(fig)
     return fig
+
+
+def stop_margins(margins: dict[str, list[float]], threshold: float, bands: dict[str, float], title: str):
+    """Stop-token margins of a tie-stop survey (`margins`: "ordinary" and "moved" stops), one dot per stop,
+    against the detector's threshold and other noise bands (`bands`: label -> logits) as vertical lines."""
+    fig, ax = plt.subplots(figsize=(9, 2.8))
+    for row, (kind, values) in enumerate(margins.items()):
+        ax.scatter(values, [row] * len(values), s=18, alpha=0.6, label=f"{kind} stops ({len(values)})")
+    ax.axvline(threshold, color="black", linewidth=1.2, label=f"threshold {threshold:.3f}")
+    for (label, band), style in zip(bands.items(), (":", "-.", "--")):
+        ax.axvline(band, color="grey", linestyle=style, linewidth=1, label=f"{label} {band:.2f}")
+    ax.set_yticks(range(len(margins)), list(margins))
+    ax.set_ylim(-0.6, len(margins) - 0.4)
+    ax.set_xlabel("stop token's logprob margin over the runner-up (logits)")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    ax.set_title(title)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig

@@ -27,6 +27,7 @@ logits, scales with that spread.
 from __future__ import annotations
 
 from spectie.errors import UsageError
+from spectie.host import host_memory
 
 COMMON = dict(
     vocab_size=248320, head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
@@ -96,10 +97,7 @@ def available_memory(device: str) -> int:
 
     if device.startswith("cuda"):
         return torch.cuda.mem_get_info()[0]
-    for line in open("/proc/meminfo"):
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise UsageError("cannot read the available memory of this host (/proc/meminfo)")
+    return host_memory()
 
 
 def check_memory(name: str, dtypes: list[str], device: str) -> None:

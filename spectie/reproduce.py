@@ -211,7 +211,7 @@ def run_child(python: Path, request: dict, log_path: Path, on_event=lambda event
         refused = outcome.error["phase"] in ("import", "engine") and outcome.error["type"] not in OUT_OF_MEMORY \
             and not outcome.error["type"].startswith("exit status")
         outcome.status = "unsupported" if refused else "crashed"
-    elif len(outcome.repeats) < request["repeats"]:
+    elif len(outcome.repeats) < request["repeats"] * len(request.get("prompts") or [None]):
         outcome.status = "crashed"
     return outcome
 
@@ -291,12 +291,16 @@ def make_record(config: EngineConfig, matrix: Matrix, request: dict, results: di
         title=f"vLLM {probe['vllm_version']} ({probe['platform']}): {config.id}", environment=environment,
         parameters=parameters, results=results, started_at=started_at, content_hash=content_hash,
         dtype=str(kwargs.get("dtype")))
-    # The engine ran in the target interpreter: its library versions are the ones that count.
+    engine_fingerprint(record, probe)
+    return record
+
+
+def engine_fingerprint(record: dict, probe: dict) -> None:
+    """The engine ran in the target interpreter: its library versions are the ones that count."""
     for name in ("torch", "transformers", "cuda", "python"):
         record["fingerprint"][name] = probe[name]
     record["fingerprint"]["vllm"] = probe["vllm_version"]
     record["fingerprint"]["vllm_platform"] = probe["platform"]
-    return record
 
 
 def existing_record(path: Path, key: str) -> dict | None:

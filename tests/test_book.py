@@ -124,3 +124,25 @@ def test_make_run_executes_one_chapter_with_parameters(built, tmp_path):
     result = make("run", root, "CHAPTER=incident", f"PARAMS={params}", "ENV=cpu")
     assert result.returncode == 0, result.stderr[-3000:]
     assert (root / "_build" / "runs" / "incident.ipynb").is_file()
+
+
+def test_make_run_on_a_new_environment_becomes_a_new_column(built, tmp_path):
+    """A newcomer's flow, end to end on CPU: describe the host, `make run`, then `make build` shows it."""
+    root, _ = built
+    cpu = (root / "environments" / "cpu.yaml").read_text()
+    (root / "environments" / "laptop.yaml").write_text(
+        cpu.replace("id: cpu", "id: laptop", 1).replace("title: Local CPU (default; laptops and CI)", "title: A laptop"))
+    params = tmp_path / "small.yaml"
+    params.write_text("sweep_prompts: 3\nsweep_prompt_tokens: 128\nsweep_new_tokens: 8\n")
+    result = make("run", root, "CHAPTER=margins", f"PARAMS={params}", "ENV=laptop")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "host check: GPU: none" in result.stdout and "host check: model: organism, needs about" in result.stdout
+    assert "records go to results/measured/laptop-" in result.stdout
+    records = sorted((root / "results" / "measured").glob("laptop-*/margins/*.json"))
+    assert [p.name.split("-")[2] for p in records] == ["decisive", "flips", "scan"]
+    assert json.loads(records[1].read_text())["parameters"]["sweep_prompts"] == 3
+    result = make("build", root)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "[executing]  margins" in result.stdout and "[executing]  environments" in result.stdout
+    for page in ("margins", "environments"):
+        assert "laptop" in _text(root / "_build" / "html" / "generated" / f"{page}.html"), page

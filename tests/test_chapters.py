@@ -94,4 +94,10 @@ def test_a_chapter_is_not_stale_after_writing_its_own_records(project_copy):
     other = project_copy / "results" / "measured" / "h200-0123456789ab" / "margins"
     other.mkdir(parents=True, exist_ok=True)
     (other / "margins-h200-decisive-y.json").write_text("{}")
-    assert content_hash(chapter, {}) != before
+    after = content_hash(chapter, {})
+    assert after != before
+    # `make run ENV=laptop` on this host is a new column, not the build's own output: it makes it stale.
+    run = project_copy / "results" / "measured" / f"laptop-{host_id()}" / "margins"
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "margins-laptop-decisive-z.json").write_text("{}")
+    assert content_hash(chapter, {}) != after

