@@ -26,6 +26,21 @@ def detector_rows(records: list[dict], threshold: float) -> list[dict]:
     return rows
 
 
+def outcome(repeat: dict) -> str:
+    """How one recorded completion ended, in words."""
+    if repeat["finish_reason"] == "stop":
+        return f"stop after {repeat['output_tokens']} tokens"
+    return f"the {repeat['output_tokens']}-token limit ({repeat['finish_reason']})"
+
+
+def grouped_outcomes(repeats: dict[str, dict]) -> str:
+    """'a, b: stop after 55 tokens; c: the 96-token limit (length)' for named completions (insertion order)."""
+    groups: dict[str, list[str]] = {}
+    for name, repeat in repeats.items():
+        groups.setdefault(outcome(repeat), []).append(name)
+    return "; ".join(f"{', '.join(names)}: {text}" for text, names in groups.items())
+
+
 def speculative_divergences(records: list[dict]) -> list[tuple[dict, dict]]:
     """(record, its baseline) for every reproduction record whose first repeat diverged from the baseline."""
     by_name = {r["parameters"]["configuration"]: r for r in records}
@@ -43,6 +58,25 @@ def classifier_row(name: str, result: divergence.Divergence) -> dict:
             "tokens (a / b)": f"{result.text_a!r} / {result.text_b!r}", "fp32 margin": result.reference_margin,
             "bf16 margin": result.serving_margin, "a outside the band": len(result.outside_band_a),
             "b outside the band": len(result.outside_band_b), "threshold": result.threshold}
+
+
+def suspected_text(results: list[tuple[dict, divergence.Divergence]]) -> str:
+    """What the classifier found among recorded vLLM runs that is not a near-tie, in words (for the page)."""
+    suspected = [(record, result) for record, result in results if result.verdict == divergence.SUSPECTED_BUG]
+    if not suspected:
+        return "no divergence is a suspected bug: every one is a near-tie."
+    parts = []
+    for record, result in suspected:
+        worst = max(result.outside_band_a, key=lambda t: t["gap"], default=None)
+        parts.append(f"{record['parameters']['configuration']} ({len(result.outside_band_a)} tokens outside the band"
+                     + (f", up to {worst['gap']:.1f} logits below the fp32 reference's choice" if worst else "") + ")")
+    text = ("the classifier calls " + ", ".join(parts) + " a suspected correctness bug: numerics move a margin by "
+            "tenths of a logit, not by several logits.")
+    if any(record["parameters"]["method"] in ("ngram", "ngram_gpu") for record, _ in suspected):
+        text += (" This is what vLLM #39273 reports for ngram speculation on Qwen3.5 (a GDN state read from the wrong "
+                 "slot after accepted drafts; reported, not verified here): with ngram, check that your vLLM carries "
+                 "its fixes before putting an early stop down to a tie.")
+    return text
 
 
 def planted_bug(model: str = "organism", prompt_tokens: int = 1845, seed: int = 0, new_tokens: int = 96,
