@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import hashlib
 import platform
 import shutil
@@ -75,10 +76,37 @@ def _cuda() -> str | None:
         return None
 
 
-def environment_fingerprint(dtype: str | None = None) -> dict:
-    """Where a measurement ran: host, OS, CPU, GPU and driver, CUDA, Python and library versions."""
+@functools.lru_cache(maxsize=None)
+def model_digest(model: str | None) -> str | None:
+    """First 12 hex digits of the sha256 of a local model's weight files, None for a hub id or a shape.
+
+    The organism is trained on each machine by `make setup` and its weights differ between CPU types:
+    two records of "organism" with different digests are two different models.
+    """
+    if model is None:
+        return None
+    folder = Path(model)
+    if model == "organism":
+        from spectie.organism import organism_dir
+
+        folder = organism_dir()
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for path in files:
+        with path.open("rb") as handle:
+            for block in iter(lambda: handle.read(1 << 24), b""):
+                digest.update(block)
+    return digest.hexdigest()[:12]
+
+
+def environment_fingerprint(dtype: str | None = None, model: str | None = None) -> dict:
+    """Where a measurement ran: host, OS, CPU, GPU and driver, CUDA, Python and library versions, and the
+    digest of the model's weights when they are local files."""
     gpu, driver = _gpu()
     return {
+        "model_sha256": model_digest(model),
         "host_id": host_id(),
         "os": platform.platform(),
         "cpu": _cpu_model(),
@@ -112,7 +140,7 @@ def measured_record(*, record_id: str, kind: str, chapter: str, title: str, envi
         "environments": [environment],
         "parameters": parameters,
         "results": results,
-        "fingerprint": environment_fingerprint(dtype),
+        "fingerprint": environment_fingerprint(dtype, parameters.get("model")),
         "started_at": started_at,
         "finished_at": now(),
         "package_version": __version__,

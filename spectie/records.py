@@ -129,3 +129,13 @@ def load_records(results_dir: str | os.PathLike | None = None, **match) -> list[
     if problems:
         raise problems[0]
     return [r for r in records if all(r.get(key) == value for key, value in match.items())]
+
+
+def model_name(record: dict) -> str:
+    """The record's model with the digest of its weights where recorded: the organism is trained on each
+    machine and differs between CPU types, so its digest says which organism a number belongs to."""
+    model = record["parameters"]["model"]
+    digest = record.get("fingerprint", {}).get("model_sha256")
+    if digest:
+        return f"{model} ({digest})"
+    return f"{model} (weights not recorded)" if model == "organism" else model

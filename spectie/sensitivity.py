@@ -337,8 +337,10 @@ def weights_of(record: dict) -> str:
 
 
 def model_label(record: dict) -> str:
+    from spectie.records import model_name
+
     model = record["parameters"]["model"]
-    return f"{model} (random weights)" if weights_of(record) == qwen_shapes.LABEL else model
+    return f"{model} (random weights)" if weights_of(record) == qwen_shapes.LABEL else model_name(record)
 
 
 def summary_rows(record: dict) -> list[dict]:

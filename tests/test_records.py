@@ -1,5 +1,6 @@
 """The record schema, validation on write and read, and atomic writes."""
 
+import hashlib
 import json
 import os
 import signal
@@ -142,3 +143,19 @@ def test_two_records_with_one_id_are_an_error(tmp_path, reported_record):
     write_record(reported_record, tmp_path / "b.json")
     with pytest.raises(RecordError, match="also used by"):
         load_records(tmp_path)
+
+
+def test_records_name_the_weights_of_a_local_model(tmp_path, measured_record):
+    """The organism is trained per machine: a record carries the digest of the weights it used."""
+    from spectie.fingerprint import environment_fingerprint, model_digest
+    from spectie.records import model_name
+
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    assert model_digest(str(tmp_path)) == hashlib.sha256(b"weights").hexdigest()[:12]
+    assert model_digest("Qwen/Qwen3.5-2B") is None and model_digest(None) is None
+    assert environment_fingerprint("bfloat16", str(tmp_path))["model_sha256"] == model_digest(str(tmp_path))
+    measured_record["parameters"] = {"model": "organism"}
+    measured_record["fingerprint"]["model_sha256"] = "0123456789ab"
+    assert model_name(measured_record) == "organism (0123456789ab)"
+    del measured_record["fingerprint"]["model_sha256"]
+    assert model_name(measured_record) == "organism (weights not recorded)"
