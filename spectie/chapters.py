@@ -181,7 +181,10 @@ def execute(chapter: Chapter, parameters: dict | None = None, output: Path | Non
     output = output or executed_path(chapter)
     output.parent.mkdir(parents=True, exist_ok=True)
     stamp = content_hash(chapter, parameters)
-    fd, tmp_name = tempfile.mkstemp(dir=output.parent, prefix=f".{output.stem}.", suffix=".ipynb")
+    # Not beside the executed copies: a run killed outright would leave it where the book would build it.
+    scratch = root / "_build" / "tmp"
+    scratch.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=scratch, prefix=f"{output.stem}.", suffix=".ipynb")
     os.close(fd)
     os.environ[HASH_VARIABLE] = stamp  # the kernel inherits it: measured records carry the hash
     try:
@@ -199,7 +202,7 @@ def execute(chapter: Chapter, parameters: dict | None = None, output: Path | Non
     notebook = nbformat.read(tmp_name, as_version=4)
     notebook.metadata["spectie"] = {"content_hash": stamp, "chapter": chapter.name, "parameters": parameters}
     nbformat.write(notebook, tmp_name)
-    os.replace(tmp_name, output)
+    shutil.move(tmp_name, output)
     return output
 
 

@@ -79,6 +79,42 @@ def suspected_text(results: list[tuple[dict, divergence.Divergence]]) -> str:
     return text
 
 
+def fp32_head_bands(records: list[dict]) -> str | None:
+    """The bf16 noise band with the bf16 head and with an fp32 head, per recorded sweep that has both
+    (torch kernels, TF32 off), in words; None when no sweep has an fp32-head row."""
+    from spectie.sensitivity import FP32_HEAD, band_points
+
+    parts = []
+    for record in records:
+        points = {p["dtype"]: p for p in band_points([record]) if p["kernels"] == "torch" and not p["tf32"]}
+        plain, head = points.get("bfloat16"), points.get("bfloat16" + FP32_HEAD)
+        if plain and head:
+            parts.append(f"{plain['label'].rsplit(' · ', 1)[0]}: band {head['band']:.3f} logits with an fp32 head "
+                         f"against {plain['band']:.3f} with the bf16 head ({head['band'] / plain['band']:.0%} of it)")
+    if not parts:
+        return None
+    return ("; ".join(parts) + ". An fp32 head removes the rounding of the logits themselves (the bf16 steps a "
+            "logprob margin moves in), not the reordered sums of the body that move the hidden states")
+
+
+def batch_invariant_text(runs: list[dict], baseline: dict | None) -> str:
+    """What the recorded batch-invariant configurations did, in words."""
+    chosen = [r for r in runs if r["parameters"].get("batch_invariant")]
+    if not chosen:
+        return "not measured yet: no record of a batch-invariant configuration"
+    parts = []
+    for record in chosen:
+        results = record["results"]
+        name = f"{record['parameters']['configuration']} (vLLM {record['fingerprint'].get('vllm')}, {results.get('backend') or '?'})"
+        if results["status"] == "ok" and results["repeats"]:
+            same = baseline and results["repeats"][0]["token_ids"] == baseline["results"]["repeats"][0]["token_ids"]
+            parts.append(f"{name} ran: {'the same completion as' if same else 'a different completion from'} plain greedy")
+        else:
+            message = (results.get("error") or {}).get("message", "").strip().splitlines()
+            parts.append(f"{name}: {results['status']}" + (f", vLLM said: {message[-1][:160]}" if message else ""))
+    return "; ".join(parts)
+
+
 def planted_bug(model: str = "organism", prompt_tokens: int = 1845, seed: int = 0, new_tokens: int = 96,
                 corrupt_at: int = 0) -> tuple[list[int], list[int], list[int]]:
     """The prompt, plain bf16 greedy output, and the output with GDN states lost from `corrupt_at` on."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-COLOURS = {"fp64": "#1b9e77", "fp32": "#7570b3", "bf16": "#d95f02", "fp16": "#e7298a"}
+COLOURS = {"fp64": "#1b9e77", "fp32": "#7570b3", "bf16": "#d95f02", "fp16": "#e7298a", "bf16, fp32 head": "#66a61e"}
 
 
 def margin_along_continuation(rows: list[dict], dtypes: list[str], pair: tuple[str, str], title: str):
@@ -93,7 +93,7 @@ def margin_shift_boxes(rows: list[dict], band_quantile: float, title: str):
     """How far each shape moves the reference's top-two margin, per position (box plots)."""
     fig, ax = plt.subplots(figsize=(8, 3.6))
     ax.boxplot([[abs(x) for x in r["margin_shifts"]] for r in rows], showfliers=True)
-    ax.set_xticks(range(1, len(rows) + 1), [f"{r['dtype'][:4]}\n{r['shape']}" for r in rows], fontsize=6,
+    ax.set_xticks(range(1, len(rows) + 1), [f"{SHORT.get(r['dtype'], r['dtype'])}\n{r['shape']}" for r in rows], fontsize=6,
                   rotation=90)
     ax.scatter(range(1, len(rows) + 1), [r["noise_band"] for r in rows], marker="_", s=200, color="red",
                zorder=3, label=f"noise band ({band_quantile:.0%} quantile)")
@@ -125,7 +125,8 @@ def flip_probability_by_shape(curves: dict[str, list[dict]], title: str):
 
 
 BAND_FLOOR = 1e-5  # a band of 0 (the reference's own computation) is drawn here on the log axis
-SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
+SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64",
+         "bfloat16+fp32-head": "bf16, fp32 head"}
 
 
 def band_by_model(points: list[dict], incident_margin: float | None, title: str):

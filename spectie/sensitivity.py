@@ -162,6 +162,29 @@ def measure(model, dtype: str, ids: list[int], positions: list[int], shapes: lis
     return rows
 
 
+FP32_HEAD = "+fp32-head"  # dtype suffix: the body in that dtype, the output head in fp32 on its hidden states
+
+
+def body_dtype(dtype: str) -> str:
+    """The precision of the model's body for a sweep dtype (`bfloat16+fp32-head` -> `bfloat16`)."""
+    return dtype.removesuffix(FP32_HEAD)
+
+
+def with_fp32_head(model):
+    """The output head computed in fp32 on the body's hidden states, as a server that keeps its logits in
+    fp32 does: an fp32 copy of the head's weights (untied from the embeddings), its input cast up."""
+    import torch
+
+    head = model.lm_head
+    fp32 = torch.nn.Linear(head.in_features, head.out_features, bias=False, device=head.weight.device,
+                           dtype=torch.float32)
+    with torch.no_grad():
+        fp32.weight.copy_(head.weight.float())
+    fp32.register_forward_pre_hook(lambda module, args: (args[0].float(),))
+    model.lm_head = fp32
+    return model
+
+
 KERNELS = ("torch", "fla")
 CPU_SHAPES = ("full", "decode", "verify-1", "verify-3", "verify-7", "verify-7@3", "prefill-64", "prefill-512", "batch-4")
 DEFAULT_SHAPES = ("full", "decode", "verify-1", "verify-2", "verify-3", "verify-4", "verify-5", "verify-6", "verify-7",
@@ -194,7 +217,7 @@ def check_plan(device: str, dtypes: list[str], shapes: list[str], kernels: list[
 
     check_device(device)
     for dtype in [*dtypes, reference_dtype]:
-        torch_dtype(dtype)
+        torch_dtype(body_dtype(dtype))
     for name in kernels:
         if name not in KERNELS:
             raise UsageError(f"unknown kernel backend {name!r}; valid: {', '.join(KERNELS)}")
@@ -208,7 +231,7 @@ def check_plan(device: str, dtypes: list[str], shapes: list[str], kernels: list[
         raise UsageError("give at least one shape")
     plan = [parse_shape(s) for s in shapes]
     if model is not None and qwen_shapes.is_shape(model):
-        qwen_shapes.check_memory(model, [*dtypes, reference_dtype], device)
+        qwen_shapes.check_memory(model, [body_dtype(d) for d in [*dtypes, reference_dtype]], device)
     return plan
 
 
@@ -227,16 +250,19 @@ class Source:
         return "trained" if self.checkpoint else "random"
 
     def load(self, dtype: str, device: str):
+        """The model in `dtype` (a `+fp32-head` dtype: its body in that precision, the head in fp32)."""
         import torch
 
         from spectie.margins import load_model
 
+        body = body_dtype(dtype)
         if self.checkpoint:
-            return load_model(self.checkpoint, dtype, device)
-        model = qwen_shapes.build(self.model, dtype, device, self.seed, self.scale)
-        torch.backends.cuda.matmul.allow_tf32 = False  # as load_model: true precision unless asked
-        torch.backends.cudnn.allow_tf32 = False
-        return model
+            model = load_model(self.checkpoint, body, device)
+        else:
+            model = qwen_shapes.build(self.model, body, device, self.seed, self.scale)
+            torch.backends.cuda.matmul.allow_tf32 = False  # as load_model: true precision unless asked
+            torch.backends.cudnn.allow_tf32 = False
+        return with_fp32_head(model) if body != dtype else model
 
 
 def open_source(model: str) -> Source:

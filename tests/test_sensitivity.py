@@ -108,3 +108,21 @@ def test_each_shape_makes_the_forwards_it_names(organism_sequence):
             assert [tuple(c) for c in calls] == shapes, name
     finally:
         model.model.forward = original
+
+
+def test_an_fp32_head_computes_the_logits_in_fp32_on_the_bf16_body():
+    import torch
+
+    from spectie.sensitivity import body_dtype, open_source
+
+    assert body_dtype("bfloat16+fp32-head") == "bfloat16" and body_dtype("float16") == "float16"
+    source = open_source("organism")
+    plain, fp32 = source.load("bfloat16", "cpu"), source.load("bfloat16+fp32-head", "cpu")
+    assert fp32.lm_head.weight.dtype == torch.float32
+    assert fp32.model.embed_tokens.weight.dtype == torch.bfloat16  # the tied embeddings stay in the body's dtype
+    ids = torch.tensor([[15, 16, 17, 18]])
+    with torch.no_grad():
+        hidden = plain.model(input_ids=ids).last_hidden_state
+        a, b = plain.lm_head(hidden), fp32.lm_head(hidden)
+    assert a.dtype == torch.bfloat16 and b.dtype == torch.float32
+    assert torch.allclose(a.float(), b, atol=0.25) and not torch.equal(a.float(), b)  # same head, not rounded
