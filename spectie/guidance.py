@@ -105,7 +105,8 @@ def batch_invariant_text(runs: list[dict], baseline: dict | None) -> str:
     parts = []
     for record in chosen:
         results = record["results"]
-        name = f"{record['parameters']['configuration']} (vLLM {record['fingerprint'].get('vllm')}, {results.get('backend') or '?'})"
+        platform = record["fingerprint"].get("vllm_platform") or results.get("backend") or "?"
+        name = f"{record['parameters']['configuration']} (vLLM {record['fingerprint'].get('vllm')}, {platform})"
         if results["status"] == "ok" and results["repeats"]:
             same = baseline and results["repeats"][0]["token_ids"] == baseline["results"]["repeats"][0]["token_ids"]
             parts.append(f"{name} ran: {'the same completion as' if same else 'a different completion from'} plain greedy")
