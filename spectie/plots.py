@@ -8,6 +8,14 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
+def _finish(fig, ax, title: str):
+    """Title, tight layout, and the figure closed (glue shows it once, where the page places it)."""
+    ax.set_title(title)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
 COLOURS = {"fp64": "#1b9e77", "fp32": "#7570b3", "bf16": "#d95f02", "fp16": "#e7298a", "bf16, fp32 head": "#66a61e"}
 
 
@@ -26,11 +34,8 @@ def margin_along_continuation(rows: list[dict], dtypes: list[str], pair: tuple[s
             ax.axvline(r["position"], color="red", alpha=0.25, linewidth=4)
     ax.set_xlabel("position in the sequence")
     ax.set_ylabel(f"logit({a}) − logit({b})")
-    ax.set_title(title)
     ax.legend(loc="best", fontsize=8)
-    fig.tight_layout()
-    plt.close(fig)
-    return fig
+    return _finish(fig, ax, title)
 
 
 def flip_rate_vs_margin(bins: list[dict], reference: str, other: str, title: str):
@@ -46,10 +51,7 @@ def flip_rate_vs_margin(bins: list[dict], reference: str, other: str, title: str
     ax.set_xlabel(f"{reference} margin between the top two tokens (logits)")
     ax.set_ylabel(f"share where {other} picks another top-1")
     ax.set_ylim(0, 1.1)
-    ax.set_title(title)
-    fig.tight_layout()
-    plt.close(fig)
-    return fig
+    return _finish(fig, ax, title)
 
 
 def bf16_grid(values: dict[str, float], spacing: float, title: str):
@@ -68,10 +70,7 @@ def bf16_grid(values: dict[str, float], spacing: float, title: str):
     ax.set_ylim(0, 1)
     ax.set_yticks([])
     ax.set_xlabel(f"logit (grey lines: adjacent bf16 values, {spacing:g} apart)")
-    ax.set_title(title)
-    fig.tight_layout()
-    plt.close(fig)
-    return fig
+    return _finish(fig, ax, title)
 
 
 def disagreement_heatmap(rows: list[dict], title: str):
@@ -83,10 +82,7 @@ def disagreement_heatmap(rows: list[dict], title: str):
     ax.imshow(grid, aspect="auto", cmap="Reds", vmin=0, vmax=1.4, interpolation="nearest")
     ax.set_yticks(range(len(rows)), [f"{r['dtype']} {r['shape']}" for r in rows], fontsize=7)
     ax.set_xlabel("generated position (output token index)")
-    ax.set_title(title)
-    fig.tight_layout()
-    plt.close(fig)
-    return fig
+    return _finish(fig, ax, title)
 
 
 def margin_shift_boxes(rows: list[dict], band_quantile: float, title: str):
@@ -99,10 +95,7 @@ def margin_shift_boxes(rows: list[dict], band_quantile: float, title: str):
                zorder=3, label=f"noise band ({band_quantile:.0%} quantile)")
     ax.set_ylabel("|change of the top-two margin| (logits)")
     ax.legend(loc="upper left", fontsize=8)
-    ax.set_title(title)
-    fig.tight_layout()
-    plt.close(fig)
-    return fig
+    return _finish(fig, ax, title)
 
 
 def flip_probability_by_shape(curves: dict[str, list[dict]], title: str):
@@ -118,10 +111,7 @@ def flip_probability_by_shape(curves: dict[str, list[dict]], title: str):
     ax.set_ylabel("flip probability")
     ax.set_ylim(-0.03, 1.03)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
-    ax.set_title(title)
-    fig.tight_layout()
-    plt.close(fig)
-    return fig
+    return _finish(fig, ax, title)
 
 
 BAND_FLOOR = 1e-5  # a band of 0 (the reference's own computation) is drawn here on the log axis
@@ -160,10 +150,7 @@ def band_by_model(points: list[dict], incident_margin: float | None, title: str)
     ax.set_xlabel("model parameters")
     ax.set_ylabel("noise band (logits)")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
-    ax.set_title(title)
-    fig.tight_layout()
-    plt.close(fig)
-    return fig
+    return _finish(fig, ax, title)
 
 
 def stop_margins(margins: dict[str, list[float]], threshold: float, bands: dict[str, float], title: str):
@@ -179,7 +166,4 @@ def stop_margins(margins: dict[str, list[float]], threshold: float, bands: dict[
     ax.set_ylim(-0.6, len(margins) - 0.4)
     ax.set_xlabel("stop token's logprob margin over the runner-up (logits)")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
-    ax.set_title(title)
-    fig.tight_layout()
-    plt.close(fig)
-    return fig
+    return _finish(fig, ax, title)
