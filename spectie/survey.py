@@ -139,12 +139,13 @@ def margin_at(completion: dict, position: int) -> float | None:
 
 def tally(record: dict, threshold: float) -> dict:
     """Counts of the survey at `threshold`: completions, stops, ordinary stops flagged (false positives),
-    moved stops flagged, moved completions whose first divergence was itself a near-tie (the baseline's
-    top-2 margin there, from vLLM's logprobs, inside the threshold), the smallest ordinary stop margin."""
+    moved stops flagged, moved completions whose first divergence was itself a near-tie (the top-2 margin
+    vLLM reported there, in the baseline's run or the speculative one, inside the threshold), the smallest
+    ordinary stop margin."""
     completions = list(classified(record))
     stops = [c for _, c, _, _ in completions if c["finish_reason"] == "stop"]
     moved = [(c, plain, at) for _, c, plain, at in completions if at is not None]
-    at_divergence = [margin_at(plain, at) if margin_at(plain, at) is not None else margin_at(c, at)
+    at_divergence = [min((m for m in (margin_at(plain, at), margin_at(c, at)) if m is not None), default=None)
                      for c, plain, at in moved]
     margins = margins_by_kind(record)
     counts = {

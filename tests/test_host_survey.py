@@ -100,7 +100,7 @@ def test_tally_separates_ordinary_from_moved_stops():
     assert counts["ordinary_stops"] == 3 and counts["ordinary_flagged"] == 1  # the plain stop at 0.05
     assert counts["moved"] == 1 and counts["moved_stops"] == 1 and counts["moved_flagged"] == 1
     assert counts["false_positive_rate"] == pytest.approx(1 / 3) and counts["ordinary_margin_min"] == 0.05
-    assert counts["moved_tie_at_divergence"] == 1  # plain's margin where mtp parted from it (position 1)
+    assert counts["moved_tie_at_divergence"] == 1  # the margins where mtp parted from plain (position 1)
     assert counts["margin_resolution"] == 0.01
     assert survey.margins_by_kind(record) == {"ordinary": [5.0, 5.0, 0.05], "moved": [0.01]}
 
