@@ -84,17 +84,20 @@ def test_greedy_continuations_end_with_eos_at_a_row_boundary(fp32, tokenizer):
     assert stops >= 1
 
 
-def test_fp32_and_bf16_disagree_at_an_eos_decision_on_a_default_prompt(folder, fp32, tokenizer):
-    """Search the chapter's default sweep prompts for an EOS decision where fp32 and bf16 pick
-    different tokens (teacher-forced on the bf16 continuation)."""
+def test_bf16_moves_eos_decisions_and_flips_some_decisions_on_the_default_prompts(folder, fp32, tokenizer):
+    """On the chapter's default sweep prompts (teacher-forced on the bf16 continuation), bf16 picks another
+    top-1 than fp32 at some positions, and at the EOS decisions it moves the EOS-vs-'[' difference by up to
+    its rounding. Whether one of those EOS decisions lies close enough to a tie to flip depends on the
+    trained weights, which differ between CPU types (measured: flips on one, none in 40 prompts on another),
+    so that is what the margins chapter reports, not what this test requires."""
     bf16 = margins.load_model(str(folder), "bfloat16")
     watch = {"EOS": EOS, "[": tokenizer.convert_tokens_to_ids("[")}
-    found = []
-    for spec in prompt_set(40, 256, first_seed=1000):
+    flips, shifts = 0, []
+    for spec in prompt_set(10, 256, first_seed=1000):
         measurement = margins.measure_prompt({"float32": fp32, "bfloat16": bf16}, "bfloat16",
                                              list(build_prompt(spec, tokenizer).token_ids), 48, [EOS], watch, str)
-        found += [(spec.seed, row["position"], row["fp32_diff"], row["bf16_diff"])
-                  for row in margins.eos_decision_flips(measurement, [EOS])]
-        if found:
-            break
-    assert found, "no EOS decision flips between fp32 and bf16 on the default sweep prompts"
+        flips += sum(flipped for _, flipped in margins.flip_pairs(measurement, "fp32", "bf16"))
+        shifts += [abs(row["bf16_diff"] - row["fp32_diff"]) for row in measurement.rows
+                   if EOS in (row["fp32_top1_id"], row["fp32_top2_id"])]
+    assert flips >= 1, "bf16 and fp32 agree on every top-1 of 10 sweep prompts"
+    assert shifts and 0 < max(shifts) < 0.5, shifts
