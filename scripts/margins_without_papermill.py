@@ -46,7 +46,7 @@ records = [
 json.dump(records, open(f"{out}/records.json", "w"))
 t0 = time.time()
 specs = prompt_set(40, 256, first_seed=1000)
-pairs, eos_flips = margins.sweep(setup, specs, 48, progress=False)
+pairs, eos_flips, _ = margins.sweep(setup, specs, 48, progress=False)
 print("sweep", round(time.time() - t0, 2), "s", len(pairs), "pairs", sum(f for _, f in pairs), "flips", len(eos_flips), "eos flips", flush=True)
 edges = [0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 1000]
 sweep_params = dict(params, sweep_prompts=40, sweep_prompt_tokens=256, sweep_new_tokens=48)

@@ -148,3 +148,27 @@ def row_counts(records: list[dict], model_path: str, marker: str = "[DATA]") -> 
             rows.append({"configuration": record["parameters"]["configuration"], "finish": repeat["finish_reason"],
                          "output tokens": repeat["output_tokens"], f"{marker} rows written": text.count(marker)})
     return rows
+
+
+def rows_text(rows: list[dict], baseline: str, marker: str = "[DATA]") -> str:
+    """Which runs wrote fewer data rows than the baseline and which wrote more, in words (from row_counts)."""
+    column = f"{marker} rows written"
+    counts = {row["configuration"]: row[column] for row in rows}
+    if baseline not in counts:
+        return "no plain greedy run is recorded to compare with"
+    base = counts.pop(baseline)
+    fewer = [name for name, n in counts.items() if n < base]
+    more = [name for name, n in counts.items() if n > base]
+
+    def span(names):
+        low, high = min(counts[n] for n in names), max(counts[n] for n in names)
+        return f"{low}" if low == high else f"{low}–{high}"
+
+    parts = [f"plain greedy wrote {base} rows"]
+    if fewer:
+        parts.append(f"{', '.join(fewer)} fewer ({span(fewer)})")
+    if more:
+        parts.append(f"{', '.join(more)} more ({span(more)})")
+    if not fewer and not more:
+        parts.append("every speculative run as many")
+    return "; ".join(parts)

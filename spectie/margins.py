@@ -364,20 +364,23 @@ def eos_decision_flips(measurement: PromptMeasurement, eos_ids: list[int]) -> li
 
 
 def sweep(setup: MarginsSetup, specs, new_tokens: int, progress: bool = True):
-    """Measure every prompt of `specs`: return (flip pairs reference vs serving, EOS-decision flips)."""
+    """Measure every prompt of `specs`: return (flip pairs reference vs serving, EOS-decision flips, the
+    reference margin at every EOS decision: a position where EOS is the reference's top-1 or top-2)."""
     from tqdm import tqdm
 
     from spectie.prompts import build_prompt
 
     reference, serving = SHORT[setup.dtypes[0]], SHORT[setup.serving_dtype]
-    pairs, eos_flips = [], []
+    pairs, eos_flips, eos_margins = [], [], []
     for spec in tqdm(specs, desc="sweep prompts", mininterval=10, disable=not progress):
         prompt = build_prompt(spec, setup.tokenizer)
         measurement = measure_prompt(setup.models, setup.serving_dtype, list(prompt.token_ids), new_tokens,
                                      setup.eos_ids, setup.watch, setup.decode)
         pairs += flip_pairs(measurement, reference, serving)
         eos_flips += [dict(seed=spec.seed, **row) for row in eos_decision_flips(measurement, setup.eos_ids)]
-    return pairs, eos_flips
+        eos_margins += [row[f"{reference}_margin"] for row in measurement.rows
+                        if {row[f"{reference}_top1_id"], row[f"{reference}_top2_id"]} & set(setup.eos_ids)]
+    return pairs, eos_flips, eos_margins
 
 
 def chapter_record(setup: MarginsSetup, environment: str, name: str, kind: str, title: str, parameters: dict,

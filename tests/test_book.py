@@ -110,6 +110,7 @@ def test_the_guidance_chapter_backs_each_workaround_with_records(built):
     # The counts depend on the organism, trained on the building machine: their form, and the survey's record.
     assert re.search(r"\d+ of the \d+ speculative configurations that ran wrote a different completion", text)
     assert re.search(r"The classifier calls \d+ of these \d+ divergences numerical near-ties", text)
+    assert re.search(r"plain greedy wrote \d+ rows", text)
     [path] = (root / "results" / "measured").glob("cpu-*/guidance/tiestop-survey-cpu-*.json")
     survey = json.loads(path.read_text())
     assert len(survey["results"]["prompts"]) == 24 and survey["results"]["vllm_version"] == "0.32.0"
