@@ -150,7 +150,7 @@ def row_counts(records: list[dict], model_path: str, marker: str = "[DATA]") -> 
     return rows
 
 
-def rows_text(rows: list[dict], baseline: str, marker: str = "[DATA]") -> str:
+def rows_text(rows: list[dict], baseline: str | None, marker: str = "[DATA]") -> str:
     """Which runs wrote fewer data rows than the baseline and which wrote more, in words (from row_counts)."""
     column = f"{marker} rows written"
     counts = {row["configuration"]: row[column] for row in rows}

@@ -363,6 +363,12 @@ def eos_decision_flips(measurement: PromptMeasurement, eos_ids: list[int]) -> li
     return found
 
 
+def eos_decisions(measurement: PromptMeasurement, reference: str, eos_ids: list[int]) -> list[dict]:
+    """Positions where an EOS token is the `reference` precision's top-1 or top-2: the stop-or-go-on decisions."""
+    return [row for row in measurement.rows
+            if {row[f"{reference}_top1_id"], row[f"{reference}_top2_id"]} & set(eos_ids)]
+
+
 def sweep(setup: MarginsSetup, specs, new_tokens: int, progress: bool = True):
     """Measure every prompt of `specs`: return (flip pairs reference vs serving, EOS-decision flips, the
     reference margin at every EOS decision: a position where EOS is the reference's top-1 or top-2)."""
@@ -378,8 +384,7 @@ def sweep(setup: MarginsSetup, specs, new_tokens: int, progress: bool = True):
                                      setup.eos_ids, setup.watch, setup.decode)
         pairs += flip_pairs(measurement, reference, serving)
         eos_flips += [dict(seed=spec.seed, **row) for row in eos_decision_flips(measurement, setup.eos_ids)]
-        eos_margins += [row[f"{reference}_margin"] for row in measurement.rows
-                        if {row[f"{reference}_top1_id"], row[f"{reference}_top2_id"]} & set(setup.eos_ids)]
+        eos_margins += [row[f"{reference}_margin"] for row in eos_decisions(measurement, reference, setup.eos_ids)]
     return pairs, eos_flips, eos_margins
 
 

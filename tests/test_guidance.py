@@ -15,6 +15,7 @@ def test_rows_text_says_which_runs_wrote_fewer_and_which_more():
     assert guidance.rows_text(_rows(plain=4, mtp_k1=4), "plain") == \
         "plain greedy wrote 4 rows; every speculative run as many"
     assert guidance.rows_text(_rows(mtp_k1=4), "plain") == "no plain greedy run is recorded to compare with"
+    assert guidance.rows_text(_rows(mtp_k1=4), None) == "no plain greedy run is recorded to compare with"
 
 
 def test_outcomes_are_grouped_by_how_they_ended():

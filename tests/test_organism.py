@@ -97,7 +97,7 @@ def test_bf16_moves_eos_decisions_and_flips_some_decisions_on_the_default_prompt
         measurement = margins.measure_prompt({"float32": fp32, "bfloat16": bf16}, "bfloat16",
                                              list(build_prompt(spec, tokenizer).token_ids), 48, [EOS], watch, str)
         flips += sum(flipped for _, flipped in margins.flip_pairs(measurement, "fp32", "bf16"))
-        shifts += [abs(row["bf16_diff"] - row["fp32_diff"]) for row in measurement.rows
-                   if EOS in (row["fp32_top1_id"], row["fp32_top2_id"])]
+        shifts += [abs(row["bf16_diff"] - row["fp32_diff"])
+                   for row in margins.eos_decisions(measurement, "fp32", [EOS])]
     assert flips >= 1, "bf16 and fp32 agree on every top-1 of 10 sweep prompts"
     assert shifts and 0 < max(shifts) < 0.5, shifts
