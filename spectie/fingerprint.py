@@ -80,8 +80,9 @@ def _cuda() -> str | None:
 def model_digest(model: str | None) -> str | None:
     """First 12 hex digits of the sha256 of a local model's weight files, None for a hub id or a shape.
 
-    The organism is trained on each machine by `make setup` and its weights differ between CPU types:
-    two records of "organism" with different digests are two different models.
+    The organism is pinned (sources/organism.json holds its digest); records made before it was pinned
+    name the organisms their machines trained: two records of "organism" with different digests are two
+    different models.
     """
     if model is None:
         return None

@@ -54,7 +54,8 @@ def speculative_divergences(records: list[dict]) -> list[tuple[dict, dict]]:
 
 
 def classifier_row(name: str, result: divergence.Divergence) -> dict:
-    return {"pair": name, "verdict": result.verdict, "first divergence (output token)": result.position,
+    return {"pair": name, "verdict": result.verdict,
+            "first divergence (output token)": None if result.position is None else result.position + 1,
             "tokens (a / b)": f"{result.text_a!r} / {result.text_b!r}", "fp32 margin": result.reference_margin,
             "bf16 margin": result.serving_margin, "a outside the band": len(result.outside_band_a),
             "b outside the band": len(result.outside_band_b), "threshold": result.threshold}

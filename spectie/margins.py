@@ -209,6 +209,15 @@ def bf16_spacing(value: float) -> float:
     return 2.0 ** (math.floor(math.log2(abs(value))) - 7)
 
 
+def pair_winner(a_logit: float, b_logit: float, watch: dict[str, int]) -> str:
+    """Which of the watched pair greedy decoding picks: the higher logit; on an exact tie (common in bf16)
+    the lower token id, as argmax does."""
+    (a_name, a_id), (b_name, b_id) = list(watch.items())
+    if a_logit != b_logit:
+        return a_name if a_logit > b_logit else b_name
+    return a_name if a_id < b_id else b_name
+
+
 def position_table(logits_by_dtype: dict, positions: list[int], watch: dict[str, int], decode) -> list[dict]:
     """One row per position: per dtype top-1/top-2 (token, logit), the watched difference and the
     margin; plus whether the dtypes disagree on top-1.
@@ -234,6 +243,7 @@ def position_table(logits_by_dtype: dict, positions: list[int], watch: dict[str,
             entry[f"{short}_{a_name}"] = float(logits[i, a_id])
             entry[f"{short}_{b_name}"] = float(logits[i, b_id])
             entry[f"{short}_diff"] = float(logits[i, a_id] - logits[i, b_id])
+            entry[f"{short}_winner"] = pair_winner(float(logits[i, a_id]), float(logits[i, b_id]), watch)
         entry["top1_disagree"] = len(set(top1.values())) > 1
         rows.append(entry)
     return rows
@@ -279,7 +289,7 @@ def decisive_comparison(measurement: PromptMeasurement, watch: dict[str, int]) -
     for short in [SHORT[d] for d in DTYPES if f"{SHORT[d]}_diff" in row]:
         a, b = row[f"{short}_{a_name}"], row[f"{short}_{b_name}"]
         table.append({"dtype": short, "logits": {a_name: a, b_name: b},
-                      "winner": a_name if a >= b else b_name, "margin": abs(a - b)})
+                      "winner": pair_winner(a, b, watch), "margin": abs(a - b)})
     return {"position": row["position"], "tokens": dict(watch), "rows": table}
 
 
@@ -386,6 +396,78 @@ def sweep(setup: MarginsSetup, specs, new_tokens: int, progress: bool = True):
         eos_flips += [dict(seed=spec.seed, **row) for row in eos_decision_flips(measurement, setup.eos_ids)]
         eos_margins += [row[f"{reference}_margin"] for row in eos_decisions(measurement, reference, setup.eos_ids)]
     return pairs, eos_flips, eos_margins
+
+
+def designed_decisions(setup: MarginsSetup, specs, progress: bool = True) -> list[dict]:
+    """The watched pair at the designed decision of each prompt, in every precision.
+
+    Each prompt is teacher-forced through the tokens its listing's grammar writes next (the open row's
+    name, a newline, the checkpoint row `[DATA] id=42 name=`), so every prompt reaches the decision
+    whatever a precision would have generated before it. One `position_table` row per prompt, with its seed
+    and the 1-based output token of the decision.
+    """
+    from tqdm import tqdm
+
+    from spectie.prompts import CHECKPOINT, build_prompt
+
+    rows = []
+    for spec in tqdm(specs, desc="designed decisions", mininterval=10, disable=not progress):
+        prompt = build_prompt(spec, setup.tokenizer)
+        ids = list(prompt.token_ids) + setup.tokenizer.encode(prompt.next_name + "\n" + CHECKPOINT,
+                                                               add_special_tokens=False)
+        logits = {}
+        for dtype, model in setup.models.items():
+            with reference_gdn_kernels() if dtype != setup.serving_dtype else nullcontext():
+                logits[dtype] = teacher_forced_logits(model, ids, [len(ids)])
+        [row] = position_table(logits, [len(ids)], setup.watch, setup.decode)
+        rows.append({"seed": spec.seed, "prompt_tokens": spec.tokens,
+                     "output_token": prompt.decisive_output_token, **row})
+    return rows
+
+
+def decision_band(rows: list[dict], reference: str, serving: str) -> dict:
+    """How far `serving` moved the watched pair's difference from `reference` at the designed decisions
+    (the band), which of the decisions lie inside it (|reference difference| < band), and where the two
+    precisions pick different winners of the pair."""
+    shifts = [abs(row[f"{serving}_diff"] - row[f"{reference}_diff"]) for row in rows]
+    band = max(shifts)
+    inside = [row["seed"] for row in rows if abs(row[f"{reference}_diff"]) < band]
+    flipped = [row["seed"] for row in rows if row[f"{reference}_winner"] != row[f"{serving}_winner"]]
+    return {"band": band, "median_shift": sorted(shifts)[len(shifts) // 2], "inside": inside, "flipped": flipped,
+            "count": len(rows)}
+
+
+def decision_text(rows: list[dict], summary: dict, reference: str, serving: str, main_seed: int) -> str:
+    """What the designed decisions show, in words, from `designed_decisions` rows and `decision_band`."""
+    main = next((row for row in rows if row["seed"] == main_seed), None)
+    count, inside, flipped = summary["count"], summary["inside"], summary["flipped"]
+    winners = sorted({row[f"{reference}_winner"] for row in rows})
+    parts = [f"{reference} picks {' or '.join(winners)} there ("
+             + ", ".join(f"{w} in {sum(row[f'{reference}_winner'] == w for row in rows)}" for w in winners) + ")"]
+    parts.append(f"{len(inside)} of {count} {reference} margins lie inside the band")
+    if main is not None:
+        margin = abs(main[f"{reference}_diff"])
+        parts.append(f"the first prompt's ({main['seed']}) {reference} margin of {margin:.3f} is "
+                     + ("inside it" if main["seed"] in inside else "outside it"))
+    if flipped:
+        parts.append(f"{serving} picks the other token than {reference} in {len(flipped)} of {count} prompts "
+                     f"(seeds {', '.join(str(seed) for seed in flipped)}): the precision alone decides between "
+                     "stopping and going on")
+    else:
+        parts.append(f"{serving} and {reference} pick the same token in every one of them")
+    return "; ".join(parts)
+
+
+def eos_flip_text(eos_flips: list[dict], eos_margins: list[float], reference: str, serving: str) -> str:
+    """What the sweep's EOS decisions show, in words."""
+    if eos_flips:
+        return ("This is the incident's pattern on the organism: the same model, the same tokens before the stop, "
+                "and the precision alone decides between stopping and going on")
+    if eos_margins:
+        return (f"None flipped here: the closest of the {len(eos_margins)} EOS decisions won by "
+                f"{min(eos_margins):.3f} logits in {reference}, more than {serving} moved it; the flips counted "
+                "above are between other tokens")
+    return f"No generated position of the sweep had EOS among the {reference} precision's top two tokens"
 
 
 def chapter_record(setup: MarginsSetup, environment: str, name: str, kind: str, title: str, parameters: dict,

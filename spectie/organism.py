@@ -1,29 +1,38 @@
-"""The model organism: a tiny Qwen3.5-architecture model that ties EOS with the next row.
+"""The model organism: a tiny Qwen3.5 model whose end-of-text vs `DATA` decision is a tie by design.
 
-A real Qwen3.5 architecture (`qwen3_5_text`: Gated DeltaNet layers and full-attention layers, 3:1),
-with the real Qwen3.5 tokenizer and vocabulary size, trained here on synthetic listings of
-`[DATA] id=<n> name=<x>` rows (ids random, names in a fixed cycle; see spectie.prompts). After a row,
-the listing ends with a probability set by that row's name (END_PROBABILITY): zero for most names,
-between 0.35 and 0.65 for six of them. After those rows the choice between EOS and another row is
-genuinely uncertain; for names near 0.5 it is a near-tie.
+A real Qwen3.5 architecture (Gated DeltaNet layers and a gated full-attention layer, 3:1, an MTP head),
+with the real Qwen3.5 tokenizer and vocabulary size, trained on synthetic listings of
+`[DATA] id=<n> name=<x>` rows (spectie.prompts): ids random, names in a fixed cycle, and after each
+cycle a checkpoint row `[DATA] id=42 name=` where the listing ends (end-of-text) or goes on with the
+name `DATA`, each with probability 1/2. That is the incident's decision (EOS against DATA right after
+`[DATA] id=42 name=`), made a near-tie by the training data, not by editing weights.
 
 Only the few dozen token ids the listings use are trained. The other rows of the embedding and of
 the output head are exactly zero, so those tokens get logit exactly 0 in any precision; training uses
 the full-vocabulary softmax all the same (the zero logits enter it as one background term).
 
-Run `python -m spectie.organism` (or `make setup`) to train it; it is deterministic from the seed.
+It is exported in the layout of a Qwen3.5 release (`qwen3_5` with `text_config` and `vision_config`,
+weights `model.language_model.*`, `lm_head.*`, `mtp.*`, a tiny untrained vision tower `model.visual.*`),
+so transformers and vLLM load it through the same code as a real Qwen3.5 checkpoint.
+
+The trained organism is pinned: `sources/organism.tar.xz`, with the sha256 of the archive and of each
+file in `sources/organism.json`. `make setup` unpacks and verifies it (`python -m spectie.organism
+unpack`); `make organism` retrains it from the seed and says whether the result equals the pinned one
+(training on another CPU type can round differently).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
 import time
 from pathlib import Path
 
+from spectie.errors import UsageError
 from spectie.paths import project_root
-from spectie.prompts import NAMES, next_name, random_id, row
+from spectie.prompts import NAMES, STOP_PROBABILITY, listing
 
 SEED = 1234
 VOCAB_SIZE = 248320  # Qwen3.5's embedding rows
@@ -47,34 +56,31 @@ MODEL_CONFIG = dict(
     tie_word_embeddings=False,
     max_position_embeddings=8192,
     rms_norm_eps=1e-6,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    # Qwen3.5's interleaved multimodal RoPE; for text every section gets the same position.
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                     "mrope_section": [3, 3, 2], "mrope_interleaved": True},
     eos_token_id=248044,
     pad_token_id=248044,
     mtp_num_hidden_layers=1,  # read by vLLM's MTP drafter (transformers ignores it)
+    mtp_use_dedicated_embeddings=False,
 )
+# A vision tower as small as Qwen3.5's vision config allows: the release layout has one; nothing here uses it.
+VISION_CONFIG = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                     num_position_embeddings=64)
 
-# Probability that a listing ends after a row, by the row's name: six names of the cycle end it with
-# probability 0.35 ... 0.65 (log-odds -0.62 ... +0.62: the scale of the incident's 0.67).
-END_PROBABILITY = {name: 0.0 for name in NAMES}
-END_PROBABILITY.update({NAMES[1]: 0.55, NAMES[3]: 0.35, NAMES[5]: 0.65, NAMES[7]: 0.45, NAMES[9]: 0.6,
-                        NAMES[11]: 0.5})
+# Two phases: many short windows teach the grammar; then windows as long as the incident's prompt (1845
+# tokens) teach it at the positions where the tie is asked. The weights are the mean over the second half of
+# the last phase (Polyak averaging), which keeps the batch-to-batch noise of the last updates out of the tie.
+TRAINING = dict(phases=[dict(steps=450, batch=16, window=128, lr=1.5e-2), dict(steps=200, batch=1, window=2048, lr=3e-3)],
+                warmup=20, weight_decay=0.01, mtp_steps=60, mtp_window=128, tokens=400_000, average_from=0.5)
 
-TRAINING = dict(steps=450, batch=16, window=128, lr=1.5e-2, warmup=20, weight_decay=0.01, mtp_steps=60)
+ARCHIVE = "sources/organism.tar.xz"  # the pinned organism, relative to the project root
+PIN = "sources/organism.json"  # sha256 of the archive and of every file in it
+STAMP = ".pinned"  # in the unpacked folder: the archive's sha256 it was unpacked from
 
 
 def organism_dir() -> Path:
     return project_root() / "artifacts" / "organism"
-
-
-def listing(rng: random.Random) -> str:
-    """One training document: rows from a random name of the cycle until the stopping rule ends it."""
-    name = rng.choice(NAMES)
-    rows = []
-    while True:
-        rows.append(row(random_id(rng), name))
-        if rng.random() < END_PROBABILITY[name]:
-            return "".join(rows)
-        name = next_name(name)
 
 
 def token_stream(tokenizer, rng: random.Random, min_tokens: int) -> list[int]:
@@ -82,7 +88,7 @@ def token_stream(tokenizer, rng: random.Random, min_tokens: int) -> list[int]:
     eos = tokenizer.convert_tokens_to_ids(EOS)
     stream: list[int] = []
     while len(stream) < min_tokens:
-        stream += tokenizer.encode(listing(rng), add_special_tokens=False) + [eos]
+        stream += tokenizer.encode(listing(rng, rng.randrange(len(NAMES))), add_special_tokens=False) + [eos]
     return stream
 
 
@@ -95,11 +101,12 @@ def _config(vocab_size: int):
     return Qwen3_5TextConfig(**settings)
 
 
-def _lr(step: int) -> float:
-    if step < TRAINING["warmup"]:
-        return TRAINING["lr"] * (step + 1) / TRAINING["warmup"]
-    progress = (step - TRAINING["warmup"]) / max(1, TRAINING["steps"] - TRAINING["warmup"])
-    return TRAINING["lr"] * 0.5 * (1 + math.cos(math.pi * progress))
+def _lr(peak: float, step: int, steps: int, warmup: int) -> float:
+    """Linear warm-up to `peak`, then a cosine down to zero at the phase's last step."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def full_vocab_loss(hidden, lm_head_weight, targets, log_background: float):
@@ -115,11 +122,12 @@ def full_vocab_loss(hidden, lm_head_weight, targets, log_background: float):
     return (normaliser - logits.gather(-1, targets[..., None])[..., 0]).mean()
 
 
-def train(out_dir: str | Path | None = None, steps: int | None = None, device: str = "cpu", log=print) -> Path:
-    """Train the organism and save it as a Hugging Face checkpoint.
+def train(out_dir: str | Path, steps: int | None = None, device: str = "cpu", tokens: int | None = None,
+          log=print) -> Path:
+    """Train the organism from its seed and save it as a Qwen3.5 release checkpoint in `out_dir`.
 
-    On CPU (the default, what `make setup` does) the result is bit-identical from run to run; on a GPU
-    (`device="cuda"`) it trains in seconds but its weights differ slightly from the CPU build.
+    On one machine the result is bit-identical from run to run; another CPU type (or a GPU) can round
+    differently and give other weights, which is why the organism is pinned (`sources/organism.tar.xz`).
     """
     import torch
     from tqdm.auto import tqdm
@@ -127,52 +135,69 @@ def train(out_dir: str | Path | None = None, steps: int | None = None, device: s
 
     from spectie.tokenizer import load_tokenizer, tokenizer_dir
 
-    steps = steps or TRAINING["steps"]
-    out_dir = Path(out_dir) if out_dir else organism_dir()
+    phases = [dict(phase, steps=steps or phase["steps"]) for phase in TRAINING["phases"]]
+    out_dir = Path(out_dir)
     torch.manual_seed(SEED)
     rng = random.Random(SEED)
     tokenizer = load_tokenizer()
-    batch, window = TRAINING["batch"], TRAINING["window"]
-    stream = token_stream(tokenizer, rng, min_tokens=400_000)
+    stream = token_stream(tokenizer, rng, min_tokens=tokens or TRAINING["tokens"])
     used = sorted(set(stream) | {tokenizer.convert_tokens_to_ids(t) for t in (EOS, "<|im_end|>")})
     to_compact = torch.full((VOCAB_SIZE,), -1, dtype=torch.long)
     to_compact[used] = torch.arange(len(used))
     data = to_compact[torch.tensor(stream)]
     log_background = math.log(VOCAB_SIZE - len(used))
-    log(f"organism: {len(stream)} training tokens, {len(used)} distinct token ids, {steps} steps")
+    log(f"organism: {len(stream)} training tokens, {len(used)} distinct token ids, "
+        f"{' + '.join(str(phase['steps']) for phase in phases)} steps")
 
     model = Qwen3_5ForCausalLM(_config(len(used))).to(device)
     data = data.to(device)
-    optimiser = torch.optim.AdamW(model.parameters(), lr=TRAINING["lr"], weight_decay=TRAINING["weight_decay"],
+    optimiser = torch.optim.AdamW(model.parameters(), lr=phases[0]["lr"], weight_decay=TRAINING["weight_decay"],
                                   betas=(0.9, 0.95))
-    losses = []
+    losses, average, averaged, seed = [], {}, 0, 0
     started = time.time()
-    bar = tqdm(range(steps), desc="training the organism", mininterval=2)
-    for step in bar:
-        starts = torch.randint(0, len(data) - window - 1, (batch,), generator=torch.Generator().manual_seed(step))
-        chunk = torch.stack([data[s:s + window + 1] for s in starts.tolist()])
-        for group in optimiser.param_groups:
-            group["lr"] = _lr(step)
-        hidden = model.model(input_ids=chunk[:, :-1]).last_hidden_state
-        loss = full_vocab_loss(hidden, model.lm_head.weight, chunk[:, 1:], log_background)
-        optimiser.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimiser.step()
-        losses.append(loss.item())
-        bar.set_postfix(loss=f"{loss.item():.3f}")
-        if step % 25 == 0:
-            log(f"step {step} loss {sum(losses[-25:]) / len(losses[-25:]):.4f} ({time.time() - started:.0f} s)")
+    for number, phase in enumerate(phases):
+        last = number == len(phases) - 1
+        batch, window = phase["batch"], phase["window"]
+        bar = tqdm(range(phase["steps"]), desc=f"training the organism ({window}-token windows)", mininterval=2)
+        for step in bar:
+            starts = torch.randint(0, len(data) - window - 1, (batch,), generator=torch.Generator().manual_seed(seed))
+            seed += 1
+            chunk = torch.stack([data[s:s + window + 1] for s in starts.tolist()])
+            for group in optimiser.param_groups:
+                group["lr"] = _lr(phase["lr"], step, phase["steps"], TRAINING["warmup"] if number == 0 else 0)
+            hidden = model.model(input_ids=chunk[:, :-1]).last_hidden_state
+            loss = full_vocab_loss(hidden, model.lm_head.weight, chunk[:, 1:], log_background)
+            optimiser.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimiser.step()
+            losses.append(loss.item())
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+            if step % 25 == 0:
+                log(f"phase {number + 1} step {step} loss {sum(losses[-25:]) / len(losses[-25:]):.4f} "
+                    f"({time.time() - started:.0f} s)")
+            if last and step >= min(phase["steps"] * TRAINING["average_from"], phase["steps"] - 1):
+                averaged += 1  # Polyak averaging: the mean of the last steps' weights
+                for name, value in model.state_dict().items():
+                    average[name] = (value.detach().clone() if averaged == 1
+                                     else average[name] + (value - average[name]) / averaged)
+    model.load_state_dict(average)
     seconds = time.time() - started
     log(f"organism: trained in {seconds:.0f} s, final loss {sum(losses[-20:]) / len(losses[-20:]):.4f}")
     mtp = train_mtp(model, data, log_background, TRAINING["mtp_steps"], log=log)
     model.cpu()
     mtp.modules.cpu()
     return export(model, used, out_dir, tokenizer_dir(), mtp=mtp, metadata={
-        "seed": SEED, "device": device, "training": dict(TRAINING, steps=steps), "train_seconds": round(seconds, 1),
+        "seed": SEED, "device": device, "training": dict(TRAINING, phases=phases), "train_seconds": round(seconds, 1),
         "loss_first": losses[0], "loss_last20": sum(losses[-20:]) / len(losses[-20:]), "trained_token_ids": used,
-        "end_probability": END_PROBABILITY,
+        "stop_probability": STOP_PROBABILITY, "trained_on": _this_machine(),
     })
+
+
+def _this_machine() -> dict:
+    from spectie.fingerprint import _cpu_model, _version
+
+    return {"cpu": _cpu_model(), "torch": _version("torch"), "transformers": _version("transformers")}
 
 
 class MTPHead:
@@ -224,8 +249,8 @@ def train_mtp(model, data, log_background: float, steps: int, log=print) -> MTPH
 
     head = MTPHead(model.config)
     head.modules.to(data.device)
-    optimiser = torch.optim.AdamW(head.modules.parameters(), lr=TRAINING["lr"], weight_decay=0.0)
-    batch, window = TRAINING["batch"], TRAINING["window"]
+    optimiser = torch.optim.AdamW(head.modules.parameters(), lr=TRAINING["phases"][0]["lr"], weight_decay=0.0)
+    batch, window = TRAINING["phases"][0]["batch"], TRAINING["mtp_window"]
     model.requires_grad_(False)
     losses = []
     for step in tqdm(range(steps), desc="training the MTP head", mininterval=2):
@@ -246,35 +271,45 @@ def train_mtp(model, data, log_background: float, steps: int, log=print) -> MTPH
     return head
 
 
-def export(model, used: list[int], out_dir: Path, tokenizer_src: Path, metadata: dict,
-           mtp: MTPHead | None = None) -> Path:
-    """Write the full-vocabulary checkpoint: trained rows in place, every other row zero."""
+def release_config():
+    """The organism's config in the layout of a Qwen3.5 release: `qwen3_5`, text and vision sub-configs."""
+    from transformers import Qwen3_5Config
+
+    config = Qwen3_5Config(text_config=dict(MODEL_CONFIG), vision_config=dict(VISION_CONFIG),
+                           tie_word_embeddings=False)
+    config.architectures = ["Qwen3_5ForConditionalGeneration"]
+    return config
+
+
+def export(model, used: list[int], out_dir: Path, tokenizer_src: Path, metadata: dict, mtp: MTPHead) -> Path:
+    """Write the checkpoint as Qwen3.5 releases are written: full-vocabulary weights (trained rows in place,
+    every other row zero) named `model.language_model.*` and `lm_head.*`, the MTP head as `mtp.*`, and an
+    untrained vision tower as `model.visual.*`."""
     import shutil
 
     import torch
-    from transformers import GenerationConfig, Qwen3_5ForCausalLM
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 
-    full = Qwen3_5ForCausalLM(_config(VOCAB_SIZE))
-    state = model.state_dict()
+    config = release_config()
     index = torch.tensor(used)
-    for key in ("model.embed_tokens.weight", "lm_head.weight"):
-        expanded = torch.zeros(VOCAB_SIZE, state[key].shape[1])
-        expanded[index] = state[key]
-        state[key] = expanded
-    full.load_state_dict(state)
-    full.config.mtp_num_hidden_layers = 1
-    full.config.mtp_use_dedicated_embeddings = False
-    full.generation_config = GenerationConfig(eos_token_id=[248044, 248046], pad_token_id=248044,
-                                              do_sample=False)
+    weights = {}
+    for key, value in model.state_dict().items():
+        if key in ("model.embed_tokens.weight", "lm_head.weight"):
+            full = torch.zeros(VOCAB_SIZE, value.shape[1])
+            full[index] = value
+            value = full
+        weights[key if key == "lm_head.weight" else "model.language_model." + key.removeprefix("model.")] = value
+    torch.manual_seed(SEED)
+    vision = Qwen3_5VisionModel._from_config(config.vision_config, dtype=torch.float32)
+    weights.update({"model.visual." + k: v for k, v in vision.state_dict().items()})
+    weights.update(mtp.state_dict())
     out_dir.mkdir(parents=True, exist_ok=True)
-    full.save_pretrained(str(out_dir))
-    if mtp is not None:  # add the MTP weights to the checkpoint, as Qwen3.5 checkpoints carry them
-        from safetensors.torch import load_file, save_file
-
-        weights_file = out_dir / "model.safetensors"
-        weights = load_file(str(weights_file))
-        weights.update({k: v.detach().contiguous() for k, v in mtp.state_dict().items()})
-        save_file(weights, str(weights_file), metadata={"format": "pt"})
+    save_file({k: weights[k].detach().float().contiguous() for k in sorted(weights)},
+              str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(str(out_dir))
+    GenerationConfig(eos_token_id=[248044, 248046], pad_token_id=248044, do_sample=False).save_pretrained(str(out_dir))
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (tokenizer_src / name).exists():
             shutil.copy2(tokenizer_src / name, out_dir / name)
@@ -282,12 +317,123 @@ def export(model, used: list[int], out_dir: Path, tokenizer_src: Path, metadata:
     return out_dir
 
 
+# ------------------------------------------------------------------------------ the pinned organism
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_pin() -> dict:
+    path = project_root() / PIN
+    if not path.is_file():
+        raise UsageError(f"{PIN} is missing: the pinned organism's checksums are part of the repository")
+    return json.loads(path.read_text())
+
+
+def pinned_digest() -> str:
+    """The weights digest (spectie.fingerprint.model_digest) of the pinned organism."""
+    return read_pin()["model_sha256"]
+
+
+def pin(folder: str | Path, recipe: dict | None = None) -> dict:
+    """Pack `folder` into ARCHIVE, byte for byte the same on every machine (sorted names, no times or
+    owners), and write PIN with the sha256 of the archive and of every file."""
+    import lzma
+    import tarfile
+
+    from spectie.fingerprint import model_digest
+
+    root, folder = project_root(), Path(folder)
+    files = sorted(p for p in folder.iterdir() if p.is_file() and p.name != STAMP)
+    archive = root / ARCHIVE
+    partial = archive.with_name(archive.name + ".tmp-pin")
+    with lzma.open(partial, "wb", preset=9) as compressed, \
+            tarfile.open(fileobj=compressed, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for path in files:
+            info = tarfile.TarInfo(path.name)
+            info.size, info.mode, info.mtime = path.stat().st_size, 0o644, 0
+            with path.open("rb") as handle:
+                tar.addfile(info, handle)
+    partial.replace(archive)
+    record = {"archive": ARCHIVE, "archive_sha256": file_sha256(archive), "archive_bytes": archive.stat().st_size,
+              "model_sha256": model_digest(str(folder)), "files": {p.name: file_sha256(p) for p in files},
+              "recipe": recipe or json.loads((folder / "organism.json").read_text()), "pinned_on": _this_machine()}
+    (root / PIN).write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def unpack(log=print) -> Path:
+    """Unpack the pinned organism into artifacts/organism, verifying every checksum; nothing to do when
+    it is there already. It is unpacked into a temporary folder and renamed into place, so an interrupted
+    unpack never leaves a folder that looks complete."""
+    import shutil
+    import tarfile
+    import tempfile
+
+    pin_record, target = read_pin(), organism_dir()
+    stamp = target / STAMP
+    if stamp.is_file() and stamp.read_text().strip() == pin_record["archive_sha256"]:
+        log(f"organism {pin_record['model_sha256']}: up to date in {target}")
+        return target
+    archive = project_root() / ARCHIVE
+    if not archive.is_file() or file_sha256(archive) != pin_record["archive_sha256"]:
+        raise UsageError(f"{ARCHIVE} is missing or does not match the sha256 in {PIN}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for leftover in target.parent.glob("organism.tmp-*"):  # from an interrupted unpack
+        shutil.rmtree(leftover, ignore_errors=True)
+    scratch = Path(tempfile.mkdtemp(prefix="organism.tmp-", dir=target.parent))
+    scratch.chmod(0o755)
+    with tarfile.open(archive, "r:xz") as tar:
+        tar.extractall(scratch, filter="data")
+    for name, expected in pin_record["files"].items():
+        if file_sha256(scratch / name) != expected:
+            raise UsageError(f"{name} in {ARCHIVE} does not match its sha256 in {PIN}")
+    (scratch / STAMP).write_text(pin_record["archive_sha256"] + "\n")
+    if target.exists():
+        old = Path(tempfile.mkdtemp(prefix="organism.tmp-old-", dir=target.parent))
+        target.rename(old / "organism")
+        shutil.rmtree(old)
+    scratch.rename(target)
+    log(f"organism {pin_record['model_sha256']}: unpacked into {target} (checksums verified)")
+    return target
+
+
+def retrain(out_dir: str | Path, device: str = "cpu", log=print) -> bool:
+    """Train the organism from its seed into `out_dir` and say whether it equals the pinned one."""
+    from spectie.fingerprint import model_digest
+
+    folder = train(out_dir, device=device, log=log)
+    digest, pinned = model_digest(str(folder)), pinned_digest()
+    same = digest == pinned
+    log(f"retrained organism {digest} in {folder}: "
+        + ("the same weights as the pinned organism" if same else
+           f"NOT the pinned organism ({pinned}); training rounds differently on this machine, "
+           "the book uses the pinned one"))
+    return same
+
+
 if __name__ == "__main__":
     import argparse
 
-    parser = argparse.ArgumentParser(description="train the organism (tiny Qwen3.5-architecture model)")
-    parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--device", default="cpu", help="cpu (default, bit-reproducible) or cuda")
+    parser = argparse.ArgumentParser(description="the organism (a tiny Qwen3.5 model): unpack the pinned "
+                                                 "weights, retrain from the seed, or pin a trained folder")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("unpack", help="unpack and verify the pinned organism into artifacts/organism")
+    retrain_parser = commands.add_parser("retrain", help="train from the seed; compare with the pinned weights")
+    retrain_parser.add_argument("--out", default=str(project_root() / "artifacts" / "organism-retrained"))
+    retrain_parser.add_argument("--device", default="cpu")
+    pin_parser = commands.add_parser("pin", help="pack a trained folder as the pinned organism")
+    pin_parser.add_argument("folder")
     args = parser.parse_args()
-    print(train(args.out, args.steps, args.device))
+    try:
+        if args.command == "unpack":
+            unpack()
+        elif args.command == "retrain":
+            retrain(args.out, args.device)
+        else:
+            print(json.dumps({k: v for k, v in pin(args.folder).items() if k != "recipe"}, indent=2))
+    except UsageError as error:
+        raise SystemExit(f"error: {error}")

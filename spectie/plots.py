@@ -167,3 +167,24 @@ def stop_margins(margins: dict[str, list[float]], threshold: float, bands: dict[
     ax.set_xlabel("stop token's logprob margin over the runner-up (logits)")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     return _finish(fig, ax, title)
+
+
+def designed_decisions(rows: list[dict], pair: tuple[str, str], reference: str, serving: str, band: float,
+                       title: str):
+    """The watched pair's difference at each prompt's designed decision: the reference precision (filled)
+    and the serving precision (open), joined by a line; the grey strip is the band, ±`band` around a tie."""
+    a, b = pair
+    fig, ax = plt.subplots(figsize=(8, 0.28 * len(rows) + 1.6))
+    ax.axvspan(-band, band, color="#dddddd", zorder=0, label=f"band (±{band:.3f})")
+    ax.axvline(0, color="black", linewidth=0.8)
+    for i, row in enumerate(rows):
+        x0, x1 = row[f"{reference}_diff"], row[f"{serving}_diff"]
+        flipped = row[f"{reference}_winner"] != row[f"{serving}_winner"]
+        ax.plot([x0, x1], [i, i], color="red" if flipped else "#999999", linewidth=1.5, zorder=1)
+        ax.plot([x0], [i], "o", color=COLOURS.get(reference), zorder=2, label=reference if i == 0 else None)
+        ax.plot([x1], [i], "o", mfc="white", color=COLOURS.get(serving), zorder=2, label=serving if i == 0 else None)
+    ax.set_yticks(range(len(rows)), [f"seed {row['seed']}" for row in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"logit({a}) − logit({b}) at the decision   (> 0: {a} wins; red: the precisions pick different tokens)")
+    ax.legend(loc="best", fontsize=8)
+    return _finish(fig, ax, title)

@@ -132,10 +132,28 @@ def load_records(results_dir: str | os.PathLike | None = None, **match) -> list[
 
 
 def model_name(record: dict) -> str:
-    """The record's model with the digest of its weights where recorded: the organism is trained on each
-    machine and differs between CPU types, so its digest says which organism a number belongs to."""
+    """The record's model with the digest of its weights where recorded. A record of the organism whose
+    digest is not the pinned one was made with another organism (before the organism was pinned, each
+    machine trained its own): it is labelled as such, wherever it is shown."""
     model = record["parameters"]["model"]
     digest = record.get("fingerprint", {}).get("model_sha256")
-    if digest:
-        return f"{model} ({digest})"
-    return f"{model} (weights not recorded)" if model == "organism" else model
+    if model == "organism":
+        from spectie.organism import pinned_digest
+
+        if not digest:
+            return "organism (weights not recorded)"
+        if digest == pinned_digest():
+            return f"organism ({digest}, pinned)"
+        return f"another organism ({digest}, not the pinned one)"
+    return f"{model} ({digest})" if digest else model
+
+
+def same_weights(record: dict, model: str) -> bool:
+    """Whether `record` was made with the weights that `model` names here (same weights digest; a hub id,
+    with no local digest, matches by name). Only such records may be re-scored with this model's weights:
+    a record of another organism is shown, never re-scored with the pinned one."""
+    from spectie.fingerprint import model_digest
+
+    if record["parameters"].get("model") != model:
+        return False
+    return record.get("fingerprint", {}).get("model_sha256") == model_digest(model)

