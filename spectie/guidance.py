@@ -173,3 +173,57 @@ def rows_text(rows: list[dict], baseline: str | None, marker: str = "[DATA]") ->
     if not fewer and not more:
         parts.append("every speculative run as many")
     return "; ".join(parts)
+
+
+def ends_text(baseline: dict | None, changed: dict[str, dict]) -> str:
+    """Whether speculation moved where the completions end, in words: `changed` maps each configuration that
+    wrote other tokens than plain greedy to its first repeat; `baseline` is plain greedy's first repeat."""
+    if baseline is None or not changed:
+        return "No speculative completion differs from plain greedy's, so nothing moved"
+    moved = [name for name, repeat in changed.items()
+             if (repeat["finish_reason"], repeat["output_tokens"]) != (baseline["finish_reason"], baseline["output_tokens"])]
+    if moved:
+        return (f"Where the completion ends moved for {', '.join(moved)}: a near-tie flipped early in the completion "
+                "changes everything after it")
+    return (f"Every changed completion ended where plain greedy's did ({outcome(baseline)}): speculation changed "
+            "tokens, not where the completion stops")
+
+
+def stops_text(margins: list[float], flagged: int, threshold: float) -> str:
+    """The detector on the recorded stops, in words."""
+    if not margins:
+        return "No recorded run stopped before its token limit, so the detector had no stop to judge"
+    return (f"The recorded stops won by {min(margins):.2f} to {max(margins):.2f} logits: {flagged} of {len(margins)} "
+            f"are inside the {threshold:.3f}-logit band")
+
+
+def upstream_text(changed: dict[str, dict], baseline: dict | None, divergence_at: str) -> str:
+    """Where speculation changed the completion: at the stop, or upstream of it, in words."""
+    if baseline is None or not changed:
+        return "Speculation left every completion as plain greedy wrote it"
+    stopped = [name for name, repeat in changed.items() if repeat["finish_reason"] == "stop"]
+    text = (f"Where speculation changed the organism's completion, speculative and plain decoding first part at "
+            f"output token {divergence_at} (below), at a near-tie of their own")
+    if stopped or baseline["finish_reason"] == "stop":
+        text += ", not at the stop: a tie-stop detector sees only the stop; the classifier finds the tie upstream"
+    else:
+        text += ("; no run stopped there, so there is no stop for a tie-stop detector to judge, and the classifier "
+                 "is the tool that finds the tie")
+    return text
+
+
+def survey_verdict(counts: dict) -> str:
+    """What the tie-stop survey says of the detector on this model, in words (from survey.tally)."""
+    if not counts:
+        return "No survey is recorded for this model"
+    if not counts["ordinary_stops"]:
+        verdict = ("No completion of the survey ended with an ordinary stop on this model, so the detector's "
+                   "false-positive rate is not measured here")
+    elif not counts["ordinary_flagged"]:
+        verdict = f"On this model the detector is quiet on the {counts['ordinary_stops']} ordinary stops"
+    else:
+        verdict = (f"On this model the detector flags {counts['ordinary_flagged']} of {counts['ordinary_stops']} "
+                   "ordinary stops")
+    if counts["moved_tie_at_divergence"]:
+        verdict += "; it is blind to ties upstream of the stop, and the classifier (below) is the tool for those"
+    return verdict

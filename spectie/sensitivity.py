@@ -395,6 +395,7 @@ def band_points(records: list[dict]) -> list[dict]:
             points.append({"label": f"{model_label(record)} · {record['fingerprint'].get('gpu') or 'CPU'}"
                                     f" · {kernels}{' TF32' if tf32 else ''}",
                            "weights": weights_of(record),
+                           "model_sha256": record["fingerprint"].get("model_sha256"),
                            "parameters": record["results"].get("model_parameters") or 0, "dtype": dtype,
                            "kernels": kernels, "tf32": tf32, "band": max(r["noise_band"] for r in chosen)})
     return points

@@ -164,9 +164,10 @@ def parse_size(text: str | float) -> float:
     return number
 
 
-def default_threshold(model_size: str | float, records: list[dict] | None = None) -> tuple[float, str]:
-    """The widest bf16 noise band (TF32 off, any GDN kernels) recorded for the model nearest in size,
-    and a label saying which record it came from."""
+def default_threshold(model_size: str | float, records: list[dict] | None = None,
+                      digest: str | None = None) -> tuple[float, str]:
+    """The widest bf16 noise band (TF32 off, any GDN kernels) recorded for these very weights (`digest`),
+    else for the model nearest in size, and a label saying which record it came from."""
     from spectie.sensitivity import band_points, recorded_band_points
 
     size = parse_size(model_size)
@@ -174,6 +175,10 @@ def default_threshold(model_size: str | float, records: list[dict] | None = None
     points = [p for p in recorded if p["dtype"] == "bfloat16" and not p["tf32"] and p["parameters"]]
     if not points:
         raise UsageError("no bf16 noise band is recorded (results/…/reduction_order/): give --threshold")
+    same = [p for p in points if digest and p.get("model_sha256") == digest]
+    if same:
+        widest = max(same, key=lambda p: p["band"])
+        return widest["band"], widest["label"]
     nearest = min(points, key=lambda p: abs(math.log(p["parameters"] / size)))["parameters"]
     widest = max((p for p in points if p["parameters"] == nearest), key=lambda p: p["band"])
     return widest["band"], widest["label"]
@@ -183,6 +188,7 @@ def threshold_for_model(model_path: str) -> tuple[float, str]:
     """`default_threshold` for a model folder (or hub id), its parameters counted without loading weights."""
     from transformers import AutoConfig
 
+    from spectie.fingerprint import model_digest
     from spectie.margins import parameter_count
 
-    return default_threshold(parameter_count(AutoConfig.from_pretrained(model_path)))
+    return default_threshold(parameter_count(AutoConfig.from_pretrained(model_path)), digest=model_digest(model_path))

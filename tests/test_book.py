@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, copy_project
+from spectie.organism import pinned_digest
 
 def make(target, root, *args):
     return subprocess.run(["make", target, f"VENV={Path(sys.prefix)}", *args], cwd=root,
@@ -60,14 +61,17 @@ def test_the_environments_appendix_shows_statuses(built):
 def test_the_margins_chapter_ran_the_organism_and_wrote_measured_records(built):
     root, _ = built
     text = _text(root / "_build" / "html" / "generated" / "margins.html")
-    for expected in ("The decisive position", "How often does a small margin flip?", "0.125", "NVIDIA H200"):
+    for expected in ("The decisive position", "How often does a small margin flip?", "0.125", "NVIDIA H200",
+                     "The designed decision, prompt by prompt", "is a tie by design", "another organism"):
         assert expected in text, expected
+    assert re.search(r"\d+ of 16 fp32 margins lie inside the band", text)
     records = sorted((root / "results" / "measured").glob("cpu-*/margins/*.json"))
-    assert [p.name.split("-")[2] for p in records] == ["decisive", "flips", "scan"]
+    assert [p.name.split("-")[2] for p in records] == ["decisions", "decisive", "flips", "scan"]
     for path in records:
         record = json.loads(path.read_text())
         assert record["provenance"] == "measured" and record["fingerprint"]["torch"]
         assert record["parameters"]["model"] == "organism"
+        assert record["fingerprint"]["model_sha256"] == pinned_digest()
 
 
 def test_the_reproduce_chapter_ran_vllm_on_the_organism(built):
@@ -86,6 +90,7 @@ def test_the_reproduce_chapter_ran_vllm_on_the_organism(built):
         assert records[name]["fingerprint"]["vllm"] == "0.32.0"
     assert records["ngram_gpu"]["results"]["status"] in ("unsupported", "crashed")
     assert records["ngram_gpu"]["results"]["error"]["message"]
+    assert re.search(r"designed decision .* is output token 12 ;", text)
 
 
 def test_the_reduction_order_chapter_ran_the_organism_and_shows_the_h200_shapes(built):
@@ -107,14 +112,14 @@ def test_the_guidance_chapter_backs_each_workaround_with_records(built):
                      "spectie tiestop", "spectie classify", "How often does the detector flag an ordinary stop?",
                      "with an fp32 head against", "plain-batch-invariant (vLLM 0.32.0, cpu)"):
         assert expected in text, expected
-    # The counts depend on the organism, trained on the building machine: their form, and the survey's record.
+    # The counts depend on vLLM's CPU numerics on the building machine: their form, and the survey's record.
     assert re.search(r"\d+ of the \d+ speculative configurations that ran wrote a different completion", text)
     assert re.search(r"The classifier calls \d+ of these \d+ divergences numerical near-ties", text)
     assert re.search(r"plain greedy wrote \d+ rows", text)
     [path] = (root / "results" / "measured").glob("cpu-*/guidance/tiestop-survey-cpu-*.json")
     survey = json.loads(path.read_text())
     assert len(survey["results"]["prompts"]) == 24 and survey["results"]["vllm_version"] == "0.32.0"
-    assert re.search(r"Of the \d+ ordinary stops the detector flagged \d+ , a false-positive rate of \d+%", text)
+    assert re.search(r"Of the \d+ ordinary stops the detector flagged \d+ , a false-positive rate of (\d+%|—)", text)
 
 
 def test_a_second_build_executes_nothing(built):

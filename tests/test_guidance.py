@@ -23,3 +23,28 @@ def test_outcomes_are_grouped_by_how_they_ended():
     limit = {"finish_reason": "length", "output_tokens": 96}
     assert guidance.grouped_outcomes({"K = 1": limit, "K = 3": stop, "K = 8": limit}) == \
         "K = 1, K = 8: the 96-token limit (length); K = 3: stop after 41 tokens"
+
+
+def test_the_computed_sentences_say_what_the_records_say():
+    limit = {"finish_reason": "length", "output_tokens": 96}
+    stop = {"finish_reason": "stop", "output_tokens": 12}
+    assert guidance.ends_text(limit, {"mtp-k1": limit}) == (
+        "Every changed completion ended where plain greedy's did (the 96-token limit (length)): speculation changed "
+        "tokens, not where the completion stops")
+    assert guidance.ends_text(limit, {"mtp-k1": limit, "mtp-k8": stop}).startswith(
+        "Where the completion ends moved for mtp-k8:")
+    assert guidance.ends_text(limit, {}).startswith("No speculative completion differs")
+    assert guidance.stops_text([], 0, 0.1).startswith("No recorded run stopped")
+    assert guidance.stops_text([0.0, 0.5], 1, 0.1) == \
+        "The recorded stops won by 0.00 to 0.50 logits: 1 of 2 are inside the 0.100-logit band"
+    assert guidance.upstream_text({"mtp-k1": limit}, limit, "58").endswith("the classifier is the tool that finds the tie")
+    assert "not at the stop" in guidance.upstream_text({"mtp-k1": stop}, limit, "9")
+    assert guidance.upstream_text({}, limit, "—").startswith("Speculation left every completion")
+    counts = {"ordinary_stops": 0, "ordinary_flagged": 0, "moved_tie_at_divergence": 3}
+    assert guidance.survey_verdict(counts).startswith("No completion of the survey ended with an ordinary stop")
+    assert guidance.survey_verdict(dict(counts, ordinary_stops=5)).startswith(
+        "On this model the detector is quiet on the 5 ordinary stops; it is blind")
+    assert guidance.survey_verdict(dict(counts, ordinary_stops=5, ordinary_flagged=2,
+                                        moved_tie_at_divergence=0)) == \
+        "On this model the detector flags 2 of 5 ordinary stops"
+    assert guidance.survey_verdict({}) == "No survey is recorded for this model"

@@ -73,6 +73,18 @@ def test_default_threshold_is_the_band_of_the_nearest_recorded_size():
         tiestop.default_threshold("nine")
 
 
+def test_default_threshold_prefers_the_band_of_the_same_weights():
+    """A band recorded with these very weights (same digest) wins over the nearest size; a digest no record
+    has falls back to the nearest size."""
+    from spectie.sensitivity import recorded_band_points
+
+    points = [p for p in recorded_band_points() if p["dtype"] == "bfloat16" and not p["tf32"]]
+    digest = next(p["model_sha256"] for p in points if p["model_sha256"])
+    band, label = tiestop.default_threshold("9B", digest=digest)
+    assert band == max(p["band"] for p in points if p["model_sha256"] == digest) and "9b-shape" not in label
+    assert tiestop.default_threshold("9B", digest="000000000000") == tiestop.default_threshold("9B")
+
+
 def test_the_command_line_reads_jsonl_and_says_what_it_flagged(tmp_path):
     lines = [completion_response({"": -0.60, "DATA": -0.79}), chat_response(-0.01, -6.0)]
     path = tmp_path / "responses.jsonl"
