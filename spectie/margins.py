@@ -218,6 +218,18 @@ def pair_winner(a_logit: float, b_logit: float, watch: dict[str, int]) -> str:
     return a_name if a_id < b_id else b_name
 
 
+def top_two(row):
+    """The top two (values, ids) of one row of logits, ranked as greedy decoding ranks them: on an exact tie
+    (common in bf16) the lower token id first, as argmax does; `topk` leaves that order unspecified."""
+    import torch
+
+    first = int(row.argmax())
+    rest = row.clone()
+    rest[first] = -torch.inf
+    second = int(rest.argmax())
+    return row[[first, second]], torch.tensor([first, second])
+
+
 def position_table(logits_by_dtype: dict, positions: list[int], watch: dict[str, int], decode) -> list[dict]:
     """One row per position: per dtype top-1/top-2 (token, logit), the watched difference and the
     margin; plus whether the dtypes disagree on top-1.
@@ -231,7 +243,7 @@ def position_table(logits_by_dtype: dict, positions: list[int], watch: dict[str,
         top1 = {}
         for dtype, logits in logits_by_dtype.items():
             short = SHORT[dtype]
-            values, ids = logits[i].topk(2)
+            values, ids = top_two(logits[i])
             top1[dtype] = int(ids[0])
             entry[f"{short}_top1"] = decode(int(ids[0]))
             entry[f"{short}_top1_id"] = int(ids[0])
@@ -447,7 +459,7 @@ def decision_text(rows: list[dict], summary: dict, reference: str, serving: str,
     parts.append(f"{len(inside)} of {count} {reference} margins lie inside the band")
     if main is not None:
         margin = abs(main[f"{reference}_diff"])
-        parts.append(f"the first prompt's ({main['seed']}) {reference} margin of {margin:.3f} is "
+        parts.append(f"the first prompt's (seed {main['seed']}) {reference} margin of {margin:.3f} is "
                      + ("inside it" if main["seed"] in inside else "outside it"))
     if flipped:
         parts.append(f"{serving} picks the other token than {reference} in {len(flipped)} of {count} prompts "

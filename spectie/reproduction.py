@@ -205,3 +205,22 @@ def parting_text(records: list[dict], baseline: str | None, decisive_output_toke
     if not groups:
         return "no speculative configuration ran"
     return "; ".join(f"{', '.join(names)}: {where}" for where, names in groups.items())
+
+
+def decision_text(records: list[dict], output_token: int, pieces) -> str:
+    """What each configuration that ran wrote at the designed decision (1-based output token), with the top-2
+    logprob margin vLLM reported there (first repeats), grouped, in words."""
+    groups: dict[str, list[str]] = {}
+    for r in records:
+        if not r["results"]["repeats"]:
+            continue
+        repeat, index = r["results"]["repeats"][0], output_token - 1
+        if len(repeat["token_ids"]) <= index:
+            continue
+        margins = repeat.get("top2_margins") or []
+        margin = f", by a top-2 logprob margin of {margins[index]:.3f}" if len(margins) > index else ""
+        groups.setdefault(f"wrote {pieces([repeat['token_ids'][index]])[0]!r} there{margin}", []).append(
+            r["parameters"]["configuration"])
+    if not groups:
+        return "no run reached the designed decision"
+    return "; ".join(f"{', '.join(names)} {what}" for what, names in groups.items())

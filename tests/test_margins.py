@@ -119,10 +119,19 @@ def test_decision_band_and_text_follow_the_rows():
     assert summary["band"] == pytest.approx(0.05) and summary["inside"] == [0, 1] and summary["flipped"] == [1]
     text = margins.decision_text(rows, summary, "fp32", "bf16", 0)
     assert text == ("fp32 picks DATA or EOS there (DATA in 2, EOS in 2); 2 of 4 fp32 margins lie inside the band; "
-                    "the first prompt's (0) fp32 margin of 0.030 is inside it; bf16 picks the other token than fp32 "
+                    "the first prompt's (seed 0) fp32 margin of 0.030 is inside it; bf16 picks the other token than fp32 "
                     "in 1 of 4 prompts (seeds 1): the precision alone decides between stopping and going on")
     calm = [row(0, -0.2, -0.25), row(1, 0.3, 0.25)]
     assert margins.decision_text(calm, margins.decision_band(calm, "fp32", "bf16"), "fp32", "bf16", 0).endswith(
-        "0 of 2 fp32 margins lie inside the band; the first prompt's (0) fp32 margin of 0.200 is outside it; "
+        "0 of 2 fp32 margins lie inside the band; the first prompt's (seed 0) fp32 margin of 0.200 is outside it; "
         "bf16 and fp32 pick the same token in every one of them")
     assert margins.pair_winner(1.0, 1.0, watch) == "DATA" and margins.pair_winner(1.0, 0.5, watch) == "EOS"
+
+
+def test_an_exact_tie_ranks_the_lower_token_id_first_as_greedy_decoding_does():
+    row = torch.full((300000,), -3.0, dtype=torch.bfloat16)
+    row[248044] = row[17247] = 20.0  # EOS and DATA rounded to the same bf16 value
+    values, ids = margins.top_two(row.double())
+    assert ids.tolist() == [17247, 248044] == [int(row.argmax()), 248044] and values.tolist() == [20.0, 20.0]
+    [entry] = margins.position_table({"bfloat16": row.double()[None]}, [5], {"EOS": 248044, "DATA": 17247}, str)
+    assert entry["bf16_top1_id"] == 17247 and entry["bf16_winner"] == "DATA" and entry["bf16_margin"] == 0.0

@@ -258,3 +258,20 @@ def test_parting_text_places_each_divergence_against_the_designed_decision():
         "token 5; mtp-x: part from plain after the designed decision, at output token 31")
     assert parting_text(records[1:], "plain", 12).startswith("no baseline ran")
     assert parting_text(records[:1], "plain", 12) == "no speculative configuration ran"
+
+
+def test_decision_text_says_what_each_run_wrote_at_the_decision():
+    from spectie.reproduction import decision_text
+
+    def record(name, ids, margins):
+        return {"parameters": {"configuration": name},
+                "results": {"repeats": [{"token_ids": ids, "top2_margins": margins}]}}
+
+    pieces = lambda ids: [{7: "DATA", 9: "<|endoftext|>"}.get(i, "x") for i in ids]
+    records = [record("plain", [1, 7, 3], [1.0, 0.0, 2.0]), record("mtp-k1", [1, 7], [1.0, 0.0]),
+               record("mtp-k8", [1, 9], [1.0, 0.125]), record("short", [1], [1.0]),
+               {"parameters": {"configuration": "crashed"}, "results": {"repeats": []}}]
+    assert decision_text(records, 2, pieces) == (
+        "plain, mtp-k1 wrote 'DATA' there, by a top-2 logprob margin of 0.000; "
+        "mtp-k8 wrote '<|endoftext|>' there, by a top-2 logprob margin of 0.125")
+    assert decision_text(records[3:], 2, pieces) == "no run reached the designed decision"
