@@ -64,7 +64,7 @@ def test_the_margins_chapter_ran_the_organism_and_wrote_measured_records(built):
     for expected in ("The decisive position", "How often does a small margin flip?", "0.125", "NVIDIA H200",
                      "The designed decision, prompt by prompt", "is a tie by design", "another organism"):
         assert expected in text, expected
-    assert re.search(r"\d+ of 16 fp32 margins lie inside the band", text)
+    assert re.search(r"\d+ of 16 fp\d+ margins lie inside the band", text)
     records = sorted((root / "results" / "measured").glob("cpu-*/margins/*.json"))
     assert [p.name.split("-")[2] for p in records] == ["decisions", "decisive", "flips", "scan"]
     for path in records:
@@ -145,14 +145,15 @@ def test_make_run_on_a_new_environment_becomes_a_new_column(built, tmp_path):
     (root / "environments" / "laptop.yaml").write_text(
         cpu.replace("id: cpu", "id: laptop", 1).replace("title: Local CPU (default; laptops and CI)", "title: A laptop"))
     params = tmp_path / "small.yaml"
-    params.write_text("sweep_prompts: 3\nsweep_prompt_tokens: 128\nsweep_new_tokens: 8\n")
+    params.write_text("sweep_prompts: 3\nsweep_prompt_tokens: 128\nsweep_new_tokens: 8\ndecision_prompts: 2\n")
     result = make("run", root, "CHAPTER=margins", f"PARAMS={params}", "ENV=laptop")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "host check: GPU: none" in result.stdout and "host check: model: organism, needs about" in result.stdout
     assert "records go to results/measured/laptop-" in result.stdout
     records = sorted((root / "results" / "measured").glob("laptop-*/margins/*.json"))
-    assert [p.name.split("-")[2] for p in records] == ["decisive", "flips", "scan"]
-    assert json.loads(records[1].read_text())["parameters"]["sweep_prompts"] == 3
+    assert [p.name.split("-")[2] for p in records] == ["decisions", "decisive", "flips", "scan"]
+    assert json.loads(records[0].read_text())["parameters"]["decision_prompts"] == 2
+    assert json.loads(records[2].read_text())["parameters"]["sweep_prompts"] == 3
     result = make("build", root)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "[executing]  margins" in result.stdout and "[executing]  environments" in result.stdout
