@@ -73,11 +73,6 @@ class Prompt:
                 "decisive_output_token": self.decisive_output_token, "tail": self.text[-60:]}
 
 
-def next_name(name: str) -> str:
-    """The name of the row after a row named `name` (after the cycle's last name: a checkpoint)."""
-    return NAMES[(NAMES.index(name) + 1) % len(NAMES)]
-
-
 def random_id(rng: random.Random) -> int:
     return rng.randrange(100, 10000)
 
