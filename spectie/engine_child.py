@@ -5,8 +5,8 @@ any environment's interpreter (the project's `.venv` with the CPU build of vLLM,
 own venv with the official wheel).
 
     python -m spectie.engine_child probe             # vLLM version, platform, accepted engine arguments
-    python -m spectie.engine_child run request.json  # one engine, `repeats` greedy generations of its
-                                                     # prompt (or of each of its `prompts`, batched)
+    python -m spectie.engine_child run request.json  # one engine, `repeats` greedy generations of each
+                                                     # of its `prompts` (one by one, or as one batch)
 
 It reports on stdout, one JSON event per line after the marker `@@spectie `; every other line is
 vLLM's own log. Events: started, engine_ready, repeat (one per finished generation and prompt, so a
@@ -58,7 +58,11 @@ def probe() -> dict:
         methods = sorted({m for m in flatten(SpeculativeMethod) if isinstance(m, str)})
     except Exception:  # older vLLM: no such type; the engine will say
         pass
-    return {"vllm_version": vllm.__version__, "platform": str(current_platform.device_type),
+    try:  # the commit a wheel was built from (None for some release builds)
+        from vllm._version import commit_id
+    except Exception:
+        commit_id = None
+    return {"vllm_version": vllm.__version__, "vllm_commit": commit_id, "platform": str(current_platform.device_type),
             "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
             "python": platform.python_version(),
             "engine_args": sorted(f.name for f in dataclasses.fields(EngineArgs)),
@@ -123,23 +127,26 @@ def run(request: dict) -> None:
         phase = "generate"
         tokenizer = llm.get_tokenizer()
         sampling = SamplingParams(**request["sampling"])
-        # One prompt (the matrix) or a batch of prompts (a survey), generated together each repeat.
+        # The matrix sends its prompts one request at a time (`sequential`, as the incident ran them);
+        # a survey sends them as one batch per repeat.
         prompts = [{"prompt_token_ids": ids} for ids in request.get("prompts") or [request["prompt_token_ids"]]]
+        batches = [[(n, p)] for n, p in enumerate(prompts)] if request.get("sequential") else [list(enumerate(prompts))]
         tail = request.get("tail_tokens", 8)
         for index in range(request["repeats"]):
-            before = spec_counters(llm)
-            started = time.monotonic()
-            results = llm.generate(prompts, sampling, use_tqdm=False)
-            seconds = round(time.monotonic() - started, 3)
-            speculation = difference(spec_counters(llm), before)  # of the whole batch
-            for number, result in enumerate(results):
-                output = result.outputs[0]
-                ids = list(output.token_ids)
-                emit("repeat", index=index, prompt=number, seconds=seconds,
-                     finish_reason=output.finish_reason, stop_reason=output.stop_reason,
-                     token_ids=ids, token_hash=token_hash(ids), output_tokens=len(ids),
-                     tail_tokens=tokenizer.convert_ids_to_tokens(ids[-tail:]),
-                     tail_text=output.text[-160:], speculation=speculation, **margins(result))
+            for batch in batches:
+                before = spec_counters(llm)
+                started = time.monotonic()
+                results = llm.generate([p for _, p in batch], sampling, use_tqdm=False)
+                seconds = round(time.monotonic() - started, 3)
+                speculation = difference(spec_counters(llm), before)  # of the whole batch
+                for (number, _), result in zip(batch, results):
+                    output = result.outputs[0]
+                    ids = list(output.token_ids)
+                    emit("repeat", index=index, prompt=number, seconds=seconds,
+                         finish_reason=output.finish_reason, stop_reason=output.stop_reason,
+                         token_ids=ids, token_hash=token_hash(ids), output_tokens=len(ids),
+                         tail_tokens=tokenizer.convert_ids_to_tokens(ids[-tail:]),
+                         tail_text=output.text[-160:], speculation=speculation, **margins(result))
         emit("done")
     except BaseException as error:  # recorded by the parent; the matrix goes on
         lines = traceback.format_exc().strip().splitlines()

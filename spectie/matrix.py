@@ -17,7 +17,8 @@ from spectie.errors import UsageError, read_yaml
 METHODS = ("none", "ngram", "ngram_gpu", "mtp")
 MODEL_RUNNERS = (None, "V1", "V2")
 FIELDS = {"id", "method", "k", "temperature", "max_tokens", "repeats", "enforce_eager", "enable_prefix_caching",
-          "model_runner", "cudagraph_mode", "batch_invariant"}
+          "model_runner", "cudagraph_mode", "batch_invariant", "expect"}
+EXPECTATIONS = ("ok", "refused")  # refused: vLLM is known to refuse this configuration (recorded, not a failure)
 MATRICES = Path(__file__).with_name("matrices")
 
 
@@ -34,6 +35,7 @@ class EngineConfig:
     model_runner: str | None = None
     cudagraph_mode: str | None = None
     batch_invariant: bool = False
+    expect: str = "ok"  # "refused": the configuration is in the matrix to record vLLM's known refusal
 
     def llm_kwargs(self, model: str, dtype: str, **extra) -> dict:
         """Keyword arguments of `vllm.LLM` for this configuration (`extra`: shared engine arguments)."""
@@ -69,6 +71,8 @@ def _check(entry: dict, where: str) -> None:
         raise UsageError(f"{where}: unknown field(s) {', '.join(unknown)}; valid: {', '.join(sorted(FIELDS))}")
     if entry.get("method") not in METHODS:
         raise UsageError(f"{where}: unknown method {entry.get('method')!r}; valid: {', '.join(METHODS)}")
+    if entry.get("expect", "ok") not in EXPECTATIONS:
+        raise UsageError(f"{where}: expect must be one of {', '.join(EXPECTATIONS)}, got {entry.get('expect')!r}")
     if entry.get("model_runner") not in MODEL_RUNNERS:
         raise UsageError(f"{where}: model_runner must be V1, V2 or null, got {entry.get('model_runner')!r}")
     k = entry.get("k")
@@ -105,6 +109,31 @@ class Matrix:
                              f"valid: {', '.join(sorted(known))}")
         keep = set(ids) | ({self.baseline} if self.baseline else set())
         return replace(self, configs=tuple(c for c in self.configs if c.id in keep))
+
+    def check_fits(self, prompt_tokens: int, extra_engine: dict | None = None) -> None:
+        """The engines' context must hold the prompt and every configuration's new tokens. Without
+        `max_model_len` vLLM sizes the KV cache for the checkpoint's whole context (262,144 tokens for
+        Qwen3.5), and a large model on a 24 GB card fails before any configuration runs."""
+        limit = {**self.engine, **(extra_engine or {})}.get("max_model_len")
+        if limit is None:
+            raise UsageError(f"matrix {self.name!r} sets no engine max_model_len: vLLM would reserve KV cache for "
+                             "the checkpoint's whole context; add `max_model_len` under `engine:` in " + self.path)
+        need = prompt_tokens + max(c.max_tokens for c in self.configs)
+        if need > limit:
+            raise UsageError(f"matrix {self.name!r}: a {prompt_tokens}-token prompt and up to "
+                             f"{need - prompt_tokens} new tokens need max_model_len >= {need}, it is {limit}")
+
+    def with_parallel(self, parallel: int | None) -> "Matrix":
+        """`parallel` engines at a time (None: the matrix's own)."""
+        if parallel is None:
+            return self
+        if not isinstance(parallel, int) or isinstance(parallel, bool) or parallel < 1:
+            raise UsageError(f"parallel must be an integer >= 1, got {parallel!r}")
+        return replace(self, parallel=parallel)
+
+    def with_environment(self, variables: dict | None) -> "Matrix":
+        """More environment variables for every engine process (an environment's own needs)."""
+        return replace(self, environment={**self.environment, **{str(k): str(v) for k, v in (variables or {}).items()}})
 
     def with_repeats(self, repeats: int | None) -> "Matrix":
         """Every configuration with `repeats` repeats (None: each keeps its own)."""

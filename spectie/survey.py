@@ -66,7 +66,7 @@ def run(model: str, environment: str, count: int = 32, configurations: list[str]
                file=sys.stderr)
 
     def complete(slot: int, config) -> tuple[str, object]:
-        request = {**request_for(config, matrix, model, []), "prompts": prompts}
+        request = request_for(config, matrix, model, prompts, sequential=False)  # one batch per repeat
         placement = slot_environment(slot, matrix.parallel, probe["platform"])
         log(f"survey: {config.id}: one engine, {count} prompts")
         outcome = run_child(python, request, logs / f"survey-{config.id}.log",

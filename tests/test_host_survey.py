@@ -28,6 +28,18 @@ def fake_nvidia_smi(tmp_path, monkeypatch):
     return script
 
 
+@pytest.fixture
+def fake_rtx4090x2(tmp_path, monkeypatch):
+    """An nvidia-smi on PATH that answers as a host with two RTX 4090 and a driver other than the
+    reporter's (591.44, named by v0.31.0-rtx4090x2), with almost no free memory."""
+    script = tmp_path / "nvidia-smi"
+    script.write_text("#!/bin/sh\necho 'NVIDIA GeForce RTX 4090, 580.95.05, 24564, 1'\n"
+                      "echo 'NVIDIA GeForce RTX 4090, 580.95.05, 24564, 1'\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    return script
+
+
 def test_gpus_are_read_from_nvidia_smi(fake_nvidia_smi):
     [gpu] = host.gpus()
     assert gpu == host.Gpu("NVIDIA H200", "580.159.03", 143771 * 2**20, 143000 * 2**20)
@@ -50,6 +62,38 @@ def test_a_matching_host_passes_and_says_what_it_has(fake_nvidia_smi):
     lines = host.check("margins", get_environment("h200"), {"model": "organism", "device": "cuda"})
     assert lines[0] == "GPU: 1 x NVIDIA H200, driver 580.159.03, 139.6 of 140.4 GiB free on the first"
     assert lines[1].startswith("model: organism, needs about 0.") and "GiB free on the GPU" in lines[1]
+
+
+def test_another_driver_is_recorded_unless_the_check_is_strict(fake_rtx4090x2):
+    env = get_environment("v0.31.0-rtx4090x2")
+    lines = host.check("incident", env, {})
+    assert lines == ["GPU: 2 x NVIDIA GeForce RTX 4090, driver 580.95.05, 0.0 of 24.0 GiB free on the first",
+                     "environment 'v0.31.0-rtx4090x2' names driver 591.44 (reported), this host has 580.95.05: "
+                     "recorded, not enforced"]
+    with pytest.raises(UsageError, match="names driver 591.44, this host has 580.95.05") as refused:
+        host.check("incident", env, {}, strict=True)
+    assert "not enforced" not in str(refused.value)
+
+
+def test_another_gpu_model_is_refused_even_when_not_strict(fake_nvidia_smi):
+    with pytest.raises(UsageError, match="'v0.31.0-rtx4090x2' is a NVIDIA GeForce RTX 4090 host, but this host's "
+                                         "GPU is NVIDIA H200"):
+        host.check("incident", get_environment("v0.31.0-rtx4090x2"), {}, strict=False)
+
+
+def test_make_run_is_strict_about_the_driver_only_when_asked(fake_rtx4090x2):
+    """`spectie run` passes SPECTIE_STRICT_HOST=1 to the host check. The fake GPUs have no free memory, so
+    both runs stop at the host check; only the strict one counts the driver among the problems."""
+    command = [sys.executable, "-m", "spectie", "run", "margins", "--env", "v0.31.0-rtx4090x2", "--set", "device=cuda"]
+    path = f"{fake_rtx4090x2.parent}{os.pathsep}/usr/bin:/bin"
+    lenient, strict = (subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                                      env={**os.environ, "PATH": path, "SPECTIE_STRICT_HOST": flag})
+                       for flag in ("", "1"))
+    for result in (lenient, strict):
+        assert result.returncode == 2, result.stderr
+        assert "model 'organism' needs about" in result.stderr and "running chapter" not in result.stdout
+    assert "names driver 591.44 (reported), this host has 580.95.05: recorded, not enforced" in lenient.stderr
+    assert "names driver 591.44, this host has 580.95.05" in strict.stderr and "not enforced" not in strict.stderr
 
 
 def test_a_model_larger_than_memory_is_refused_before_loading(monkeypatch):

@@ -8,9 +8,15 @@ from spectie.matrix import load_matrix, read_matrix
 
 def test_the_incident_matrix_expands_per_k_and_maps_to_vllm_arguments():
     configs = {c.id: c for c in load_matrix()}
-    assert {"plain", "ngram_gpu-k1", "ngram_gpu-k6", "ngram_gpu-k7", "ngram_gpu-k8", "mtp-v2-k1", "mtp-v2-k8",
-            "mtp-v1-k8", "mtp-compiled", "mtp-no-prefix-cache-k3", "plain-batch-invariant"} <= set(configs)
-    assert all(c.max_tokens == 96 and c.temperature == 0 and c.repeats == 10 for c in configs.values())
+    # The incident's configurations: both runners with K in {1, 6, 7, 8} (the title's claim is K >= 7).
+    assert {"plain", "plain-no-prefix-cache", "mtp-compiled", "mtp-no-prefix-cache-k3",
+            "plain-batch-invariant"} | {f"{m}-k{k}" for m in ("ngram_gpu", "mtp-v1", "mtp-v2")
+                                         for k in (1, 6, 7, 8)} <= set(configs)
+    assert all(c.max_tokens == 96 and c.temperature == 0 for c in configs.values())
+    repeats = {c.id: c.repeats for c in configs.values()}
+    assert repeats["mtp-compiled"] == 33 and repeats["mtp-v2-k7"] == 10 and repeats["plain"] == 10
+    # vLLM refuses batch-invariant mode for GDN attention: that configuration is marked as an expected refusal.
+    assert {c.id for c in configs.values() if c.expect == "refused"} == {"plain-batch-invariant"}
     kwargs = configs["mtp-v2-k8"].llm_kwargs("organism", "bfloat16", kv_cache_memory_bytes=1 << 28)
     assert kwargs["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 8}
     assert kwargs["enforce_eager"] is True and kwargs["kv_cache_memory_bytes"] == 1 << 28
@@ -30,6 +36,7 @@ def test_the_incident_matrix_expands_per_k_and_maps_to_vllm_arguments():
     ("{id: a, method: mtp, k: 1, speculative: yes}", "unknown field(s) speculative"),
     ("{id: a, method: mtp, k: 1, model_runner: V3}", "model_runner must be V1, V2 or null"),
     ("{method: mtp, k: 1}", "needs an id"),
+    ("{id: a, method: none, expect: fail}", "expect must be one of ok, refused"),
 ])
 def test_bad_configurations_are_refused_with_the_reason(tmp_path, entry, message):
     path = tmp_path / "m.yaml"
@@ -60,3 +67,27 @@ def test_with_repeats_overrides_every_configuration_or_refuses_a_bad_count():
     for bad in (0, -1, "3", True, 2.5):
         with pytest.raises(UsageError, match="repeats must be an integer >= 1"):
             matrix.with_repeats(bad)
+
+
+def test_every_matrix_bounds_the_context_and_fits_the_incident_prompt(tmp_path):
+    for name in ("incident", "cpu"):
+        matrix = read_matrix(name)
+        assert matrix.engine["max_model_len"] >= 1845 + 96
+        matrix.check_fits(1845)
+    with pytest.raises(UsageError, match="need max_model_len >= 4097, it is 4096"):
+        read_matrix("incident").check_fits(4001)
+    path = tmp_path / "open.yaml"  # no max_model_len: the KV cache would be sized for the whole context
+    path.write_text("defaults: {temperature: 0, max_tokens: 9, repeats: 1, enforce_eager: true, "
+                    "enable_prefix_caching: false}\nconfigurations:\n  - {id: a, method: none}\n")
+    with pytest.raises(UsageError, match="sets no engine max_model_len"):
+        read_matrix(path).check_fits(100)
+
+
+def test_parallel_and_engine_environment_overrides():
+    matrix = read_matrix("incident")
+    assert matrix.with_parallel(None) is matrix and matrix.with_parallel(3).parallel == 3
+    for bad in (0, "2", True):
+        with pytest.raises(UsageError, match="parallel must be an integer >= 1"):
+            matrix.with_parallel(bad)
+    assert matrix.with_environment({"VLLM_USE_FLASHINFER_SAMPLER": 0}).environment["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    read_matrix("incident").check_fits(5000, {"max_model_len": 8192})  # an engine argument can widen it

