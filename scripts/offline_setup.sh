@@ -8,6 +8,10 @@ set -euo pipefail
 wheels=${1:?usage: scripts/offline_setup.sh WHEEL_DIR}
 ls "$wheels"/papermill-*.whl >/dev/null || { echo "error: no papermill wheel in $wheels (scripts/offline_wheels.sh)" >&2; exit 2; }
 python3 -m venv --system-site-packages .venv
+# The image's packages may sit in another environment than the system Python's: list the folders of
+# `python3` in a .pth file, after the venv's own.
+python3 -c 'import sys; print("\n".join(p for p in sys.path if p.endswith(("site-packages", "dist-packages"))))' \
+  > "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/spectie-image-packages.pth"
 .venv/bin/python -m pip install -q --no-index --no-deps --no-compile "$wheels"/*.whl
 .venv/bin/python -m pip install -q --no-index --no-deps --no-build-isolation -e .
 .venv/bin/python -m spectie.organism unpack   # checks every file against sources/organism.json

@@ -180,6 +180,7 @@ def run_child(python: Path, request: dict, log_path: Path, on_event=lambda event
     what finished, with status `interrupted`.
     """
     outcome, tail = Outcome(), deque(maxlen=TAIL_LINES)
+    finished = False  # the child reported `done`: every repeat of every prompt
     started = time.monotonic()
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
@@ -207,20 +208,23 @@ def run_child(python: Path, request: dict, log_path: Path, on_event=lambda event
                     outcome.repeats.append(event)
                 elif kind == "error":
                     outcome.error = event
+                elif kind == "done":
+                    finished = True
                 on_event({"event": kind, **event})
         returncode = process.wait()
-        if cancelled():
+        if cancelled() and not finished:
             outcome.status = "interrupted"
     except KeyboardInterrupt:  # the caller records what finished, then stops
         os.killpg(process.pid, 9)
         process.wait()
-        outcome.status = "interrupted"
+        outcome.status = "ok" if finished else "interrupted"
+        returncode = 0
     finally:
         _RUNNING.discard(process)
         Path(handle.name).unlink(missing_ok=True)
         outcome.seconds = round(time.monotonic() - started, 1)
         outcome.log_tail = list(tail)
-    if outcome.status == "interrupted":
+    if outcome.status == "interrupted" or finished:  # every repeat was reported: a kill while exiting loses nothing
         return outcome
     if outcome.error is None and returncode != 0:
         outcome.error = {"phase": "engine" if outcome.engine_seconds is None else "generate",

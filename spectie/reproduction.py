@@ -293,7 +293,7 @@ def seeds_text(records: list[dict], baseline: str | None, decisive_output_token:
     rows = [r for r in seeds_rows(records, baseline) if r["configuration"] != baseline and r["prompts"]]
     seeds = sorted({prompt_seed(r) for r in records})
     if not rows:
-        return f"no speculative configuration ran on the {len(seeds)} prompt(s)"
+        return f"no speculative configuration ran on the {len(seeds)} prompt{'s' if len(seeds) != 1 else ''}"
     parted = [r for r in rows if not r["parts from the baseline"].startswith("0/")]
     where = sorted({int(p) for r in parted for p in r["where (output token)"].split(", ")})
     at_decision = sum(p == decisive_output_token for p in where)
@@ -308,3 +308,32 @@ def seeds_text(records: list[dict], baseline: str | None, decisive_output_token:
     text += "; " + (f"the stop moved for {len(moved)} of them ({'; '.join(r['configuration'] + ': ' + r['stop moved'] for r in moved)})"
                     if moved else f"no configuration stopped anywhere other than where {baseline} did")
     return text
+
+
+def by_run(records: list[dict]) -> dict[str, list[dict]]:
+    """Measured runs grouped by where they came from (environment, vLLM build, hardware, model)."""
+    groups: dict[str, list[dict]] = {}
+    for r in measured_runs(records):
+        groups.setdefault(run_label(r), []).append(r)
+    return groups
+
+
+def run_summary(records: list[dict], decisive_output_token: int, pieces) -> str:
+    """One host's recorded run in words: configurations and their statuses (with the repeats recorded of
+    those asked for), prompts, what the incident's prompt got at the designed decision, and across prompts."""
+    configs: dict[str, list[dict]] = {}
+    for r in records:
+        configs.setdefault(r["parameters"]["configuration"], []).append(r)
+    parts = []
+    for name, runs in configs.items():
+        recorded = sum(r["results"]["runs_total"] for r in runs)
+        asked = sum(r["parameters"]["repeats"] for r in runs)
+        statuses = ", ".join(sorted({r["results"]["status"] for r in runs}))
+        parts.append(f"{name} ({statuses}; {recorded} of {asked} generations recorded)")
+    baseline = records[0]["parameters"]["baseline"]
+    seeds = sorted({prompt_seed(r) for r in records})
+    return (f"{len(configs)} configuration{'s' if len(configs) != 1 else ''} recorded on "
+            f"{len(seeds)} prompt{'s' if len(seeds) != 1 else ''} (seeds {', '.join(map(str, seeds))}): "
+            f"{'; '.join(parts)}. At the designed decision (output token {decisive_output_token}) of the first "
+            f"prompt: {decision_text(first_prompt(records), decisive_output_token, pieces)}. Across prompts: "
+            f"{seeds_text(records, baseline, decisive_output_token)}.")

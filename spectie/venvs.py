@@ -142,6 +142,20 @@ def check_installed(environment: dict, probe: dict) -> None:
                              f"was built from commit {found}: reinstall with `{fix}`")
 
 
+def share_image_packages(python: Path) -> Path:
+    """Let the venv of `python` see the packages this interpreter sees outside its own prefix (an offline
+    GPU image's torch and CUDA libraries, which may live in another environment than the system Python's
+    that --system-site-packages would add): a .pth file listing those folders, after the venv's own."""
+    own = Path(sys.prefix).resolve()
+    folders = [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))
+               and Path(p).is_dir() and own not in Path(p).resolve().parents]
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    pth = Path(site) / "spectie-image-packages.pth"
+    pth.write_text("".join(f"{folder}\n" for folder in folders))
+    return pth
+
+
 def create_venv(environment: str, wheels: str | Path | None = None, commit: str | None = None,
                 log=print) -> Path:
     """.venvs/<environment> with that environment's vLLM (for GPU hosts), checked once installed; returns
@@ -162,6 +176,8 @@ def create_venv(environment: str, wheels: str | Path | None = None, commit: str 
         except subprocess.CalledProcessError as error:
             raise UsageError(f"`{' '.join(command)}` failed (exit status {error.returncode}); its output is "
                              "above") from None
+    if wheels:
+        share_image_packages(python)
     probe = probe_vllm(environment, python)
     check_installed(env, probe)
     log(f"vLLM {probe['vllm_version']} on {probe['platform']} (torch {probe['torch']}, CUDA {probe['cuda']}) "

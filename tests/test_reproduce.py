@@ -58,6 +58,8 @@ for i in range(request["repeats"]):
              token_hash=str(n), output_tokens=len(ids), tail_tokens=["x", "<|endoftext|>"], tail_text="x",
              speculation={{"num_drafts": 3, "num_draft_tokens": 3, "num_accepted_tokens": 2}})
 emit("done")
+if mode == "linger":  # an engine slow to shut down after its last repeat
+    import time; time.sleep(60)
 '''
 
 PROBE = {"vllm_version": "0.0.fake", "platform": "cpu", "torch": "2.13.0+cpu", "cuda": None,
@@ -208,6 +210,13 @@ def test_an_interrupted_engine_is_killed_and_keeps_its_finished_repeats(tmp_path
     outcome = reproduce.run_child(fake_engine, request, tmp_path / "log", on_event, cancelled=lambda: bool(stop))
     assert outcome.status == "interrupted" and len(outcome.repeats) == 1 and outcome.seconds < 30
     assert not reproduce._RUNNING
+    # Killed after reporting every repeat (`done`), while shutting down: nothing is lost, the run is complete.
+    request["environment"]["FAKE_MODE"] = "linger"
+    stop.clear()
+    outcome = reproduce.run_child(fake_engine, request, tmp_path / "log",
+                                  lambda event: event["event"] == "done" and (stop.append(True), reproduce.kill_running()),
+                                  cancelled=lambda: bool(stop))
+    assert outcome.status == "ok" and len(outcome.repeats) == 3 and outcome.error is None and outcome.seconds < 30
 
 
 def test_engine_arguments_the_installed_vllm_lacks_are_refused_before_any_engine(tmp_path):
@@ -356,3 +365,22 @@ def test_across_prompts_counts_parting_and_moved_stops_per_configuration():
                                              "other than plain on at least one prompt; no configuration stopped "
                                              "anywhere other than where plain did")
     assert [r["parameters"]["prompt_seed"] for r in first_prompt(records)] == [0] * 4
+
+
+def test_run_summary_says_what_a_host_recorded_with_its_statuses():
+    from spectie.reproduction import run_summary
+
+    def record(seed, status, recorded, ids):
+        repeats = [{"first_divergence": None, "output_tokens": len(ids), "finish_reason": "length",
+                    "token_ids": ids, "top2_margins": [0.5, 0.0]}] * recorded
+        return {"environments": ["e"], "fingerprint": {"host_id": "h"},
+                "parameters": {"configuration": "plain", "method": "none", "prompt_seed": seed, "matrix": "m",
+                               "baseline": "plain", "repeats": 10},
+                "results": {"status": status, "runs_total": recorded, "repeats": repeats}}
+
+    pieces = lambda ids: [{7: "DATA"}.get(i, "x") for i in ids]
+    text = run_summary([record(0, "interrupted", 10, [1, 7]), record(3, "ok", 4, [1, 7])], 2, pieces)
+    assert text == ("1 configuration recorded on 2 prompts (seeds 0, 3): plain (interrupted, ok; 14 of 20 "
+                    "generations recorded). At the designed decision (output token 2) of the first prompt: plain "
+                    "wrote 'DATA' there, by a top-2 logprob margin of 0.000. Across prompts: no speculative "
+                    "configuration ran on the 2 prompts.")
