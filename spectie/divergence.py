@@ -193,7 +193,8 @@ def pair_from_records(record: dict, baseline: dict, repeat: int = 0) -> dict:
 
 
 def baseline_record(record_path: str | Path) -> dict:
-    """The baseline record beside a reproduction record (same folder, the configuration its record names)."""
+    """The baseline record beside a reproduction record (same folder, the configuration its record names,
+    the same matrix and prompt seed)."""
     from spectie.records import read_record
 
     record_path = Path(record_path)
@@ -201,6 +202,8 @@ def baseline_record(record_path: str | Path) -> dict:
     name = record["parameters"].get("baseline")
     for path in sorted(record_path.parent.glob("*.json")):
         other = read_record(path)
-        if other.get("kind") == "engine-outcome" and other["parameters"].get("configuration") == name:
+        same_run = all(other["parameters"].get(key, 0) == record["parameters"].get(key, 0)
+                       for key in ("matrix", "prompt_seed")) if other.get("kind") == "engine-outcome" else False
+        if same_run and other["parameters"].get("configuration") == name:
             return other
     raise UsageError(f"no record of the baseline configuration {name!r} beside {record_path}")

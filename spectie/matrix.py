@@ -18,7 +18,9 @@ METHODS = ("none", "ngram", "ngram_gpu", "mtp")
 MODEL_RUNNERS = (None, "V1", "V2")
 FIELDS = {"id", "method", "k", "temperature", "max_tokens", "repeats", "enforce_eager", "enable_prefix_caching",
           "model_runner", "cudagraph_mode", "batch_invariant", "expect"}
-EXPECTATIONS = ("ok", "refused")  # refused: vLLM is known to refuse this configuration (recorded, not a failure)
+# refused / crashed: vLLM is known to refuse this configuration, or to crash on it on this backend (kept in the
+# matrix to record it; a run that does otherwise is flagged as not as expected)
+EXPECTATIONS = ("ok", "refused", "crashed")
 MATRICES = Path(__file__).with_name("matrices")
 
 
@@ -35,7 +37,7 @@ class EngineConfig:
     model_runner: str | None = None
     cudagraph_mode: str | None = None
     batch_invariant: bool = False
-    expect: str = "ok"  # "refused": the configuration is in the matrix to record vLLM's known refusal
+    expect: str = "ok"  # "refused" / "crashed": in the matrix to record vLLM's known refusal or crash
 
     def llm_kwargs(self, model: str, dtype: str, **extra) -> dict:
         """Keyword arguments of `vllm.LLM` for this configuration (`extra`: shared engine arguments)."""

@@ -274,7 +274,7 @@ def summarize(outcome: Outcome, config: EngineConfig, prompt_len: int, baseline:
     results = {
         "status": outcome.status,
         "expected": config.expect,
-        "as_expected": outcome.status == "unsupported" if config.expect == "refused" else outcome.status == "ok",
+        "as_expected": outcome.status == {"ok": "ok", "refused": "unsupported", "crashed": "crashed"}[config.expect],
         "stopped_early": bool(stopped) if repeats else None,
         "runs_stopped": len(stopped),
         "runs_total": len(repeats),

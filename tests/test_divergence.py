@@ -65,3 +65,19 @@ def test_the_command_line_classifies_a_pair_file(organism_runs, tmp_path):
     result = run(str(broken))
     assert result.returncode == 2 and "missing prompt_token_ids, b" in result.stderr
     assert run("--help").returncode == 0
+
+
+def test_the_baseline_beside_a_record_is_the_one_of_its_prompt_seed(tmp_path):
+    import json
+    from pathlib import Path
+
+    from spectie.divergence import baseline_record
+
+    folder = Path(__file__).resolve().parent.parent / "results/measured/v0.26.0-h200-5bce98f73f3e/reproduce"
+    plain = {seed: json.loads(next(folder.glob(f"*-plain-s{seed}-*.json")).read_text()) for seed in (0, 1)}
+    for seed, record in plain.items():
+        (tmp_path / f"plain-s{seed}.json").write_text(json.dumps(record))
+    other = json.loads(json.dumps(plain[1]))
+    other["id"], other["parameters"]["configuration"] = "spec-s1", "spec"
+    (tmp_path / "spec-s1.json").write_text(json.dumps(other))
+    assert baseline_record(tmp_path / "spec-s1.json")["parameters"]["prompt_seed"] == 1

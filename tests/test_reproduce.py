@@ -384,3 +384,19 @@ def test_run_summary_says_what_a_host_recorded_with_its_statuses():
                     "generations recorded). At the designed decision (output token 2) of the first prompt: plain "
                     "wrote 'DATA' there, by a top-2 logprob margin of 0.000. Across prompts: no speculative "
                     "configuration ran on the 2 prompts.")
+
+
+def test_one_run_never_mixes_hosts_or_prompts():
+    from spectie.fingerprint import host_id
+    from spectie.reproduction import one_run
+
+    def record(env, host, seed):
+        return {"id": f"{env}-{host}-{seed}", "environments": [env], "fingerprint": {"host_id": host},
+                "parameters": {"prompt_seed": seed, "matrix": "m"}}
+
+    records = [record("cpu", "other", 0), record("cpu", host_id(), 0), record("cpu", host_id(), 1),
+               record("v0.26.0-h200", "h200", 0)]
+    assert [r["id"] for r in one_run(records, "cpu")] == [f"cpu-{host_id()}-0"]
+    assert [r["id"] for r in one_run(records[:1] + records[3:], "cpu")] == ["cpu-other-0"]
+    assert [r["id"] for r in one_run(records, "v0.26.0-h200")] == ["v0.26.0-h200-h200-0"]
+    assert one_run(records, "nowhere") == []
