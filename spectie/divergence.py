@@ -7,6 +7,12 @@ between the two tokens lies inside the noise band, either token is what some cor
 would pick: a **numerical near-tie**. Outside the band, one of the two engines picked a token that a
 correct computation would not: a **suspected correctness bug** (for example a recurrent state read from
 the wrong slot, the class of bug of vLLM #39273).
+
+One output that is a strict prefix of the other is the silent early stop itself: one run ended where the
+other went on. That is a divergence at the shorter output's end, stop against continue: the shorter one
+is taken to have written the model's end-of-text there (vLLM returns the EOS id with the tokens; a caller
+whose shorter output lost its EOS gets the same reading), and the margin is end-of-text's against the
+other run's token.
 """
 
 from __future__ import annotations
@@ -88,12 +94,15 @@ def classify(model: str, prompt_ids: list[int], tokens_a: list[int], tokens_b: l
     if threshold is not None and not threshold >= 0:
         raise UsageError(f"the threshold must be a margin in logits >= 0, got {threshold!r}")
     index = first_divergence(tokens_a, tokens_b)
-    if index is None or index == min(len(tokens_a), len(tokens_b)):  # one is a prefix of the other
-        shorter = min(len(tokens_a), len(tokens_b))
-        same = "identical" if len(tokens_a) == len(tokens_b) else f"identical over the shorter one's {shorter} tokens"
+    if index is None:
         return Divergence(IDENTICAL, None, None, None, None, None, None, None, None, None, None, [], [],
                           threshold if threshold is not None else float("nan"), "given" if threshold is not None else "",
-                          f"no divergence: the two sequences are {same}")
+                          "no divergence: the two sequences are identical")
+    stopped = None  # which sequence stopped where the other went on (a strict prefix), if any
+    if index == min(len(tokens_a), len(tokens_b)):
+        stopped = "a" if len(tokens_a) < len(tokens_b) else "b"
+        eos = end_of_text(path)
+        tokens_a, tokens_b = (tokens_a + [eos], tokens_b) if stopped == "a" else (tokens_a, tokens_b + [eos])
     tokenizer = AutoTokenizer.from_pretrained(path)
     decode = lambda token: tokenizer.decode([token])  # noqa: E731
     start = len(prompt_ids)
@@ -116,6 +125,9 @@ def classify(model: str, prompt_ids: list[int], tokens_a: list[int], tokens_b: l
     outside_a, outside_b = trailing(rows_a, tokens_a, threshold, decode), trailing(rows_b, tokens_b, threshold, decode)
     text_a, text_b = decode(a), decode(b)
     head = f"at output token {index}, {text_a!r} and {text_b!r} are {abs(margin):.3f} logits apart in fp32"
+    if stopped:
+        head = (f"sequence {stopped} stops at output token {index} where the other goes on (end-of-text against "
+                f"{text_b if stopped == 'a' else text_a!r}, stop against continue); {head}")
     if abs(margin) > threshold:
         verdict = SUSPECTED_BUG
         explanation = (f"{head} (outside the {threshold:.3f} noise band): a correct computation would not pick "
@@ -132,6 +144,21 @@ def classify(model: str, prompt_ids: list[int], tokens_a: list[int], tokens_b: l
                        "the band of fp32's own choice: either is what some correct computation order picks")
     return Divergence(verdict, index, a, b, text_a, text_b, margin, float(served[a] - served[b]), decode(order[0]),
                       order.index(a) + 1, order.index(b) + 1, outside_a, outside_b, threshold, origin, explanation)
+
+
+def end_of_text(path: str) -> int:
+    """The model's end-of-text id: the first EOS of its generation config, else its tokenizer's."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:
+        eos = None
+    if eos is None:
+        eos = AutoTokenizer.from_pretrained(path).eos_token_id
+    if eos is None:
+        raise UsageError(f"model {path} names no end-of-text token: a stop against a continuation cannot be read")
+    return eos[0] if isinstance(eos, (list, tuple)) else int(eos)
 
 
 def read_pair(path: str | Path) -> dict:

@@ -36,7 +36,32 @@ def test_identical_sequences_are_said_to_be_identical(organism_runs):
     prompt, plain, _ = organism_runs
     result = divergence.classify("organism", prompt, plain, plain)
     assert result.verdict == divergence.IDENTICAL and "identical" in result.explanation
-    assert divergence.classify("organism", prompt, plain[:5], plain).verdict == divergence.IDENTICAL
+
+
+def test_a_stop_where_the_other_run_goes_on_is_a_divergence_at_the_incidents_own_tie(organism_runs):
+    """The incident's case on the organism: one run ends right after `[DATA] id=42 name=` (its output is a
+    prefix of the other's), the other writes DATA there. That is the designed EOS/DATA near-tie."""
+    from transformers import AutoTokenizer
+
+    from spectie.margins import resolve_model
+    from spectie.prompts import PromptSpec, build_prompt
+
+    prompt, plain, _ = organism_runs
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("organism"))
+    designed = build_prompt(PromptSpec(), tokenizer)
+    assert list(designed.token_ids) == prompt
+    at = designed.decisive_output_token - 1  # 0-based output index of the designed decision
+    assert tokenizer.convert_ids_to_tokens(plain[at]) == "DATA"
+    stopped = plain[:at]  # as a run that stopped there and lost nothing else
+    result = divergence.classify("organism", prompt, stopped, plain)
+    assert result.position == at and result.text_a == "<|endoftext|>" and result.text_b == "DATA"
+    assert result.verdict == divergence.NEAR_TIE, result.explanation
+    assert "sequence a stops at output token" in result.explanation and "stop against continue" in result.explanation
+    # The same with EOS returned by the engine (as vLLM does), and with the roles swapped.
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert divergence.classify("organism", prompt, stopped + [eos], plain).position == at
+    swapped = divergence.classify("organism", prompt, plain, stopped)
+    assert swapped.position == at and swapped.text_b == "<|endoftext|>" and "sequence b stops" in swapped.explanation
 
 
 def test_bad_input_is_refused_before_any_model_loads():
