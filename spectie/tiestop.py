@@ -40,6 +40,7 @@ class Completion:
     finish_reason: str | None
     source: str  # e.g. "vllm RequestOutput", "openai completion", "openai chat completion"
     request: str = ""  # an id or index naming the completion in its input
+    stop_reason: object = None  # vLLM's: None for end-of-text, the stop string or stop token id the caller gave
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,10 @@ def check(completion: Completion, threshold: float) -> Verdict:
     if completion.finish_reason != "stop":
         return Verdict(False, position=None, stop_token=None, runner_up=None, margin=None,
                        explanation=f"finish_reason {completion.finish_reason!r}: no stop to check", **common)
+    if isinstance(completion.stop_reason, str):  # the text matched a stop string: no token chose to end here
+        return Verdict(False, position=None, stop_token=None, runner_up=None, margin=None,
+                       explanation=f"stopped by the stop string {completion.stop_reason!r} the caller gave, not by a "
+                                   "token the model chose to end with: not a tie question", **common)
     if not completion.steps:
         raise UsageError(f"{completion.source} {completion.request}: the completion has no logprobs; {HOW_TO_REQUEST}")
     last = completion.steps[-1]
@@ -101,7 +106,7 @@ def from_request_output(output) -> list[Completion]:
             top = {_vllm_token(tid, lp): lp.logprob for tid, lp in position.items()}
             steps.append(Step(_vllm_token(token_id, chosen), chosen.logprob, top))
         completions.append(Completion(steps, choice.finish_reason, "vllm RequestOutput",
-                                      f"{output.request_id}/{choice.index}"))
+                                      f"{output.request_id}/{choice.index}", getattr(choice, "stop_reason", None)))
     return completions
 
 
@@ -129,7 +134,7 @@ def from_openai(response: dict, request: str = "") -> list[Completion]:
             steps = [Step(token, lp, dict(top or {})) for token, lp, top in
                      zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs.get("top_logprobs") or [])]
         source = "openai chat completion" if "message" in choice else "openai completion"
-        completions.append(Completion(steps, choice.get("finish_reason"), source, name))
+        completions.append(Completion(steps, choice.get("finish_reason"), source, name, choice.get("stop_reason")))
     return completions
 
 

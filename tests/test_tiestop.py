@@ -51,6 +51,19 @@ def test_chat_completions_and_non_stops():
     assert not verdict.flagged and verdict.margin is None and "no stop to check" in verdict.explanation
 
 
+def test_a_stop_string_is_not_a_tie_question():
+    """vLLM says why a completion stopped: `stop_reason` is None for end-of-text, the stop string when the
+    caller's `stop` matched. The last token of a stop-string stop was not chosen to end the text."""
+    response = completion_response({"": -0.60, "DATA": -0.79})
+    response["choices"][0]["stop_reason"] = "\n\n"
+    [by_string] = tiestop.from_openai(response)
+    verdict = tiestop.check(by_string, threshold=0.5)
+    assert not verdict.flagged and verdict.margin is None and "stop string '\\n\\n'" in verdict.explanation
+    response["choices"][0]["stop_reason"] = None  # end-of-text: the same margins are a tie question again
+    [by_eos] = tiestop.from_openai(response)
+    assert tiestop.check(by_eos, threshold=0.5).flagged
+
+
 def test_missing_or_top1_logprobs_are_refused_with_how_to_request_them():
     response = completion_response({"": -0.6, "DATA": -0.8})
     response["choices"][0]["logprobs"] = None
