@@ -365,6 +365,13 @@ def remaining_estimate(finished: list[tuple[Outcome, int]], left: list[EngineCon
     return sum(overhead + c.repeats * prompts * per_repeat for c in left) / max(1, min(parallel, len(left)))
 
 
+def start_order(configs: list[EngineConfig], baseline: str | None) -> list[int]:
+    """Indexes of `configs` in the order their engines start: the baseline first (every comparison
+    needs it), then the most repeats first, so that the longest configuration does not start last and
+    leave the other engine slots idle; otherwise matrix order."""
+    return sorted(range(len(configs)), key=lambda i: (configs[i].id != baseline, -configs[i].repeats))
+
+
 class BaselineFailed(UsageError):
     """The baseline configuration did not finish: no other configuration can be compared with it."""
 
@@ -495,13 +502,13 @@ def run_matrix(matrix: Matrix, model: str, prompts: dict[int, list[int]], enviro
         baseline_done.set()
     try:
         with ThreadPoolExecutor(max_workers=matrix.parallel) as pool:
-            futures = [pool.submit(run_one, n, c) for n, c in enumerate(configs, 1)]
+            futures = {i: pool.submit(run_one, i + 1, configs[i]) for i in start_order(configs, matrix.baseline)}
             try:
-                return [record for f in futures for record in f.result()]
+                return [record for i in range(len(configs)) for record in futures[i].result()]
             except BaseException:
                 interrupted.set()
                 baseline_done.set()
-                for f in futures:
+                for f in futures.values():
                     f.cancel()
                 kill_running()  # running engines stop; their finished repeats are recorded
                 raise

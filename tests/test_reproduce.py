@@ -242,6 +242,15 @@ def test_bad_model_environment_and_matrix_names():
         read_matrix("cpu").select(["mtp-k99"])
 
 
+def test_engines_start_with_the_baseline_then_the_longest_configuration():
+    matrix = read_matrix("incident")
+    configs = list(matrix.configs)
+    order = [configs[i].id for i in reproduce.start_order(configs, matrix.baseline)]
+    assert order[:2] == ["plain", "mtp-compiled"] and sorted(order) == sorted(c.id for c in configs)
+    assert order.index("plain-batch-invariant") == len(order) - 1  # 2 repeats: last
+    assert order.index("ngram_gpu-k1") < order.index("ngram_gpu-k6")  # equal repeats keep matrix order
+
+
 def test_first_divergence():
     assert reproduce.first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert reproduce.first_divergence([1, 2, 4], [1, 2, 3]) == 2
