@@ -4,7 +4,7 @@
 # Python 3.12, x86-64). Usage: scripts/offline_wheels.sh OUTDIR   (~300 MiB)
 #   OUTDIR/vllm     vLLM 0.26.0 (the last release pinning torch 2.11) and what its engine imports that
 #                   the image lacks (measured on the H200: every engine, model and spec-decode module imports)
-#   OUTDIR/project  papermill and its kernel, myst-nb's glue, jsonschema, flash-linear-attention
+#   OUTDIR/project  papermill and its kernel, myst-nb's glue (with docutils), jsonschema, flash-linear-attention
 set -euo pipefail
 out=${1:?usage: scripts/offline_wheels.sh OUTDIR}
 flags=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp
@@ -25,5 +25,6 @@ python3 -m pip download -q "${flags[@]}" -d "$out/project" \
   pexpect==4.9.0 ptyprocess==0.7.0 stack-data==0.6.3 executing==2.3.0 asttokens==3.0.2 pure_eval==0.2.4 \
   entrypoints==0.4.2 fastjsonschema==2.22.3 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 \
   referencing==0.37.0 rpds-py==2026.9.1 tenacity==9.2.1 myst-nb==1.4.0 platformdirs==4.14.9 \
-  importlib_metadata==10.2.0 pyzmq==27.3.0 flash-linear-attention==0.6.0 fla-core==0.6.0
+  importlib_metadata==10.2.0 pyzmq==27.3.0 flash-linear-attention==0.6.0 fla-core==0.6.0 \
+  docutils==0.21.2   # myst-nb's glue imports it (the 2026-12-04 H200 run failed there, after the matrix)
 du -sh "$out"/*

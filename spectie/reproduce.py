@@ -91,6 +91,22 @@ def check_matrix(matrix: Matrix, probe: dict, extra_engine: dict | None = None) 
         if config.method != "none" and methods and config.method not in methods:
             raise UsageError(f"configuration {config.id!r}: vLLM {version} has no speculative method "
                              f"{config.method!r}; it has: {', '.join(methods)}")
+    check_shared_gpu(matrix.parallel, probe["platform"], extra_engine or {})
+
+
+def check_shared_gpu(parallel: int, platform: str, extra_engine: dict) -> None:
+    """Several engines on one GPU: vLLM checks at each engine's start that `gpu_memory_utilization` of
+    the GPU (about 0.9 by default) is free, so an engine that starts while others hold memory fails
+    (measured on the H200: four engines, three of them failed). The fractions must fit together."""
+    if parallel < 2 or platform != "cuda":
+        return
+    fraction = extra_engine.get("gpu_memory_utilization")
+    if not isinstance(fraction, (int, float)) or fraction * parallel > 1:
+        raise UsageError(f"{parallel} engines share one GPU: vLLM checks at each engine's start that its "
+                         f"gpu_memory_utilization of the GPU (about 0.9 unless set) is free, so the engines "
+                         f"after the first fail. Set engine_arguments.gpu_memory_utilization to at most "
+                         f"{1 / parallel:.2f} (got {fraction!r}), with kv_cache_memory_bytes for the KV cache, "
+                         f"or run with parallel: 1")
 
 
 def check_seeds(seeds) -> list[int]:

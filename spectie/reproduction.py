@@ -6,6 +6,8 @@ incident. Nothing here runs an engine.
 
 from __future__ import annotations
 
+import re
+
 import matplotlib.pyplot as plt
 import pandas as pd
 
@@ -87,13 +89,26 @@ def runs_table(records: list[dict]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+ROOT_CAUSE = re.compile(r"^(?:\(EngineCore[^)]*\)\s*)?((?:\w+\.)*\w*(?:Error|Exception)): (.+)$")
+
+
+def root_cause(error: dict) -> str | None:
+    """The exception that the engine's own process raised, from the engine log's last lines ("Engine core
+    initialization failed" is only what the caller saw), or None if the log names none."""
+    causes = [f"{m[1]}: {m[2].strip()}" for m in map(ROOT_CAUSE.match, error.get("log_tail") or []) if m]
+    causes = [c for c in causes if c != f"{error.get('type')}: {(error.get('message') or '').strip()}"]
+    return causes[-1] if causes else None
+
+
 def error_lines(record: dict, lines: int = 6) -> str:
-    """The last lines of vLLM's own error for a configuration that did not run."""
+    """The last lines of vLLM's own error for a configuration that did not run, and its root cause."""
     error = record["results"].get("error")
     if not error:
         return ""
     tail = [line for line in error.get("traceback_tail") or [] if line.strip()][-lines:]
-    return "\n".join([f"{error['type']} during {error['phase']}: {error['message'][-400:]}", *tail])
+    cause = root_cause(error)
+    return "\n".join([f"{error['type']} during {error['phase']}: {error['message'][-400:]}", *tail,
+                      *([f"root cause (engine log): {cause}"] if cause else [])])
 
 
 def side_by_side(reported: list[dict], measured: list[dict]) -> pd.DataFrame:
@@ -329,7 +344,10 @@ def run_summary(records: list[dict], decisive_output_token: int, pieces) -> str:
         recorded = sum(r["results"]["runs_total"] for r in runs)
         asked = sum(r["parameters"]["repeats"] for r in runs)
         statuses = ", ".join(sorted({r["results"]["status"] for r in runs}))
-        parts.append(f"{name} ({statuses}; {recorded} of {asked} generations recorded)")
+        causes = sorted({root_cause(r["results"]["error"]) or r["results"]["error"]["message"][-200:]
+                         for r in runs if r["results"].get("error")})
+        parts.append(f"{name} ({statuses}; {recorded} of {asked} generations recorded"
+                     f"{''.join(f'; {cause}' for cause in causes)})")
     baseline = records[0]["parameters"]["baseline"]
     seeds = sorted({prompt_seed(r) for r in records})
     return (f"{len(configs)} configuration{'s' if len(configs) != 1 else ''} recorded on "

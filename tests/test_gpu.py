@@ -97,7 +97,7 @@ def test_plain_and_mtp_through_cuda_vllm(organism, tmp_path):
     matrix = read_matrix("incident").select(["mtp-v2-k1"]).with_repeats(2).with_parallel(2)
     matrix = replace(matrix, configs=tuple(replace(c, max_tokens=24) for c in matrix.configs))
     matrix = matrix.with_environment(env["engine_environment"])
-    extra = {**env["engine"], "kv_cache_memory_bytes": 1 << 30}
+    extra = {**env["engine"], "kv_cache_memory_bytes": 1 << 30, "gpu_memory_utilization": 0.4}
     probe = reproduce.probe_vllm(GPU_ENVIRONMENT)
     check_installed(env, probe)
     reproduce.check_matrix(matrix, probe, extra)

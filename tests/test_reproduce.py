@@ -395,6 +395,38 @@ def test_run_summary_says_what_a_host_recorded_with_its_statuses():
                     "configuration ran on the 2 prompts.")
 
 
+def test_a_crash_is_told_by_the_engine_logs_root_cause():
+    from spectie.reproduction import root_cause, run_summary
+
+    error = {"type": "RuntimeError", "message": "Engine core initialization failed. See root cause above.",
+             "phase": "engine", "traceback_tail": [],
+             "log_tail": ["(EngineCore pid=1)     raise ValueError(",
+                          "(EngineCore pid=1) ValueError: Free memory on device cuda:0 (110.93/139.8 GiB) is less",
+                          "RuntimeError: Engine core initialization failed. See root cause above.", "[rank0]: bye"]}
+    assert root_cause(error) == "ValueError: Free memory on device cuda:0 (110.93/139.8 GiB) is less"
+    assert root_cause({**error, "log_tail": error["log_tail"][2:]}) is None  # only the caller's own error
+    record = {"environments": ["e"], "fingerprint": {"host_id": "h"},
+              "parameters": {"configuration": "mtp", "method": "mtp", "prompt_seed": 0, "matrix": "m",
+                             "baseline": "plain", "repeats": 10},
+              "results": {"status": "crashed", "runs_total": 0, "repeats": [], "error": error}}
+    assert "mtp (crashed; 0 of 10 generations recorded; ValueError: Free memory on device" in run_summary(
+        [record], 2, lambda ids: [])
+
+
+def test_engines_sharing_a_gpu_must_ask_for_fractions_that_fit_together():
+    reproduce.check_shared_gpu(4, "cpu", {})  # CPU engines: no such check
+    reproduce.check_shared_gpu(1, "cuda", {})
+    reproduce.check_shared_gpu(4, "cuda", {"gpu_memory_utilization": 0.15})
+    for extra in ({}, {"gpu_memory_utilization": 0.5}):
+        with pytest.raises(UsageError, match="at most 0.25"):
+            reproduce.check_shared_gpu(4, "cuda", extra)
+    matrix = read_matrix("incident").select(["mtp-v2-k1"]).with_parallel(2)
+    with pytest.raises(UsageError, match="2 engines share one GPU"):
+        every_argument = [a for c in matrix.configs for a in reproduce.engine_kwargs(c, matrix, "model", {"kv_cache_memory_bytes": 1})]
+        reproduce.check_matrix(matrix, dict(PROBE, platform="cuda", engine_args=every_argument),
+                               {"kv_cache_memory_bytes": 1 << 30})
+
+
 def test_one_run_never_mixes_hosts_or_prompts():
     from spectie.fingerprint import host_id
     from spectie.reproduction import one_run
