@@ -118,22 +118,26 @@ def _files(patterns: tuple[str, ...], root: Path) -> list[Path]:
 BUILD_ENVIRONMENT = "cpu"  # the environment of every chapter's default parameters (what make build runs)
 
 
-def own_records_dir(chapter: Chapter) -> str:
-    """Where `make build` writes this chapter's records on this host: results/measured/cpu-<host id>/<chapter>/.
-    Records of `make run` with another environment (ENV=...) are inputs like any other host's."""
+def own_records_dir(chapter: Chapter, environment: str = BUILD_ENVIRONMENT) -> str:
+    """Where a run of this chapter in `environment` writes its records on this host:
+    results/measured/<environment>-<host id>/<chapter>/ (`make build`: cpu). Records of other environments
+    and hosts are inputs like any other."""
     from spectie.fingerprint import host_id
 
-    return f"results/measured/{BUILD_ENVIRONMENT}-{host_id()}/{chapter.name}/"
+    return f"results/measured/{environment}-{host_id()}/{chapter.name}/"
 
 
 def content_hash(chapter: Chapter, parameters: dict) -> str:
     """Hash of the notebook, the parameters, the package code and the chapter's input files.
 
-    The chapter's own records on this host are its outputs, not its inputs: they are left out, so a
-    chapter that shows every recorded run (its own and other hosts') is not stale after its own run.
+    The records this run writes (this chapter, this host, the run's environment) are its outputs, not its
+    inputs: they are left out, so a chapter that shows every recorded run (its own and other hosts') is
+    not stale after its own run, and a run interrupted in `make run ENV=...` resumes (its request keys hold
+    this hash: measured on the H200, every call of a split run got a new one and re-ran everything).
     """
     root = project_root()
-    own = {p for p in root.glob(own_records_dir(chapter) + "*.json")}
+    environment = parameters.get("environment") or BUILD_ENVIRONMENT
+    own = {p for p in root.glob(own_records_dir(chapter, environment) + "*.json")}
     digest = hashlib.sha256()
     digest.update(json.dumps(parameters, sort_keys=True, default=str).encode())
     inputs = [p for p in _files(PACKAGE_GLOBS + chapter.inputs, root) if p not in own]

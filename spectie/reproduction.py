@@ -334,26 +334,41 @@ def by_run(records: list[dict]) -> dict[str, list[dict]]:
 
 
 def run_summary(records: list[dict], decisive_output_token: int, pieces) -> str:
-    """One host's recorded run in words: configurations and their statuses (with the repeats recorded of
-    those asked for), prompts, what the incident's prompt got at the designed decision, and across prompts."""
+    """One host's recorded run in words: configurations grouped by status (with the generations recorded of
+    those asked for), the engines' own errors, prompts, what the incident's prompt got at the designed
+    decision, and across prompts."""
     configs: dict[str, list[dict]] = {}
     for r in records:
         configs.setdefault(r["parameters"]["configuration"], []).append(r)
-    parts = []
+    groups: dict[str, list[str]] = {}
     for name, runs in configs.items():
         recorded = sum(r["results"]["runs_total"] for r in runs)
         asked = sum(r["parameters"]["repeats"] for r in runs)
         statuses = ", ".join(sorted({r["results"]["status"] for r in runs}))
-        causes = sorted({root_cause(r["results"]["error"]) or r["results"]["error"]["message"][-200:]
-                         for r in runs if r["results"].get("error")})
-        parts.append(f"{name} ({statuses}; {recorded} of {asked} generations recorded"
-                     f"{''.join(f'; {cause}' for cause in causes)})")
+        groups.setdefault(statuses, []).append(name if recorded == asked else f"{name} ({recorded} of {asked})")
+    causes: dict[str, list[str]] = {}  # one line per kind of error (numbers aside), with its configurations
+    for name, runs in configs.items():
+        for error in (r["results"]["error"] for r in runs if r["results"].get("error")):
+            cause = root_cause(error) or f"{error['type']}: {error['message'][-200:]}"
+            kind = re.sub(r"\d+(?:\.\d+)?", "#", cause)
+            causes.setdefault(kind, [cause])
+            if name not in causes[kind]:
+                causes[kind].append(name)
     baseline = records[0]["parameters"]["baseline"]
     seeds = sorted({prompt_seed(r) for r in records})
-    return (f"{len(configs)} configuration{'s' if len(configs) != 1 else ''} recorded on "
-            f"{len(seeds)} prompt{'s' if len(seeds) != 1 else ''} (seeds {', '.join(map(str, seeds))}): "
-            f"{'; '.join(parts)}. At the designed decision (output token {decisive_output_token}) of the first "
-            f"prompt: {decision_text(first_prompt(records), decisive_output_token, pieces)}. Across prompts: "
+    text = (f"{len(configs)} configuration{'s' if len(configs) != 1 else ''} recorded on {len(seeds)} "
+            f"prompt{'s' if len(seeds) != 1 else ''} (seeds {', '.join(map(str, seeds))}). "
+            + " ".join(f"{status.capitalize()}: {', '.join(names)}." for status, names in groups.items())
+            + " (A name with a count recorded only that many of its generations.)" * any(
+                "(" in n for names in groups.values() for n in names))
+    unexpected = [f"{name} (expected {runs[0]['results']['expected']})" for name, runs in configs.items()
+                  if any(r["results"].get("as_expected") is False for r in runs)]
+    if unexpected:
+        text += f" Not as the matrix expected: {', '.join(unexpected)}."
+    for first, *names in causes.values():
+        text += f" The engine's own error of {', '.join(names)}: \"{first}\"."
+    return (f"{text} At the designed decision (output token {decisive_output_token}) of the first prompt: "
+            f"{decision_text(first_prompt(records), decisive_output_token, pieces)}. Across prompts: "
             f"{seeds_text(records, baseline, decisive_output_token)}.")
 
 

@@ -64,6 +64,21 @@ def test_the_content_hash_follows_every_input(project_copy):
     assert content_hash(get_chapter("environments"), {}) != appendix_base
 
 
+
+def test_a_runs_own_records_are_not_its_inputs(project_copy):
+    """`make run ENV=...` writes records under its environment's folder: they must not change the hash its
+    request keys hold, or an interrupted run can never resume (each call re-ran everything on the H200)."""
+    from spectie.chapters import own_records_dir
+
+    chapter, parameters = get_chapter("reproduce"), {"environment": "v0.26.0-h200"}
+    base, build_base = content_hash(chapter, parameters), content_hash(chapter, {})
+    own = project_copy / own_records_dir(chapter, "v0.26.0-h200")
+    own.mkdir(parents=True, exist_ok=True)
+    (own / "new-record.json").write_text("{}")
+    assert content_hash(chapter, parameters) == base  # the run's own output
+    assert content_hash(chapter, {}) != build_base  # another environment's record: an input of make build
+
+
 def test_staleness_is_read_from_the_executed_copy(project_copy):
     chapter = CHAPTERS["incident"]
     assert is_stale(chapter)  # no executed copy yet

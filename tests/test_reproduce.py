@@ -389,8 +389,8 @@ def test_run_summary_says_what_a_host_recorded_with_its_statuses():
 
     pieces = lambda ids: [{7: "DATA"}.get(i, "x") for i in ids]
     text = run_summary([record(0, "interrupted", 10, [1, 7]), record(3, "ok", 4, [1, 7])], 2, pieces)
-    assert text == ("1 configuration recorded on 2 prompts (seeds 0, 3): plain (interrupted, ok; 14 of 20 "
-                    "generations recorded). At the designed decision (output token 2) of the first prompt: plain "
+    assert text == ("1 configuration recorded on 2 prompts (seeds 0, 3). Interrupted, ok: plain (14 of 20). (A name "
+                    "with a count recorded only that many of its generations.) At the designed decision (output token 2) of the first prompt: plain "
                     "wrote 'DATA' there, by a top-2 logprob margin of 0.000. Across prompts: no speculative "
                     "configuration ran on the 2 prompts.")
 
@@ -408,9 +408,14 @@ def test_a_crash_is_told_by_the_engine_logs_root_cause():
     record = {"environments": ["e"], "fingerprint": {"host_id": "h"},
               "parameters": {"configuration": "mtp", "method": "mtp", "prompt_seed": 0, "matrix": "m",
                              "baseline": "plain", "repeats": 10},
-              "results": {"status": "crashed", "runs_total": 0, "repeats": [], "error": error}}
-    assert "mtp (crashed; 0 of 10 generations recorded; ValueError: Free memory on device" in run_summary(
-        [record], 2, lambda ids: [])
+              "results": {"status": "crashed", "runs_total": 0, "repeats": [], "error": error, "expected": "refused",
+                          "as_expected": False}}
+    other = {**record, "parameters": {**record["parameters"], "configuration": "ngram"}}
+    text = run_summary([record, other], 2, lambda ids: [])
+    assert text.startswith("2 configurations recorded on 1 prompt (seeds 0). Crashed: mtp (0 of 10), ngram (0 of 10).")
+    assert "Not as the matrix expected: mtp (expected refused), ngram (expected refused)." in text
+    assert ('The engine\'s own error of mtp, ngram: "ValueError: Free memory on device cuda:0 (110.93/139.8 GiB) '
+            'is less".') in text
 
 
 def test_engines_sharing_a_gpu_must_ask_for_fractions_that_fit_together():
