@@ -147,18 +147,10 @@ def classify(model: str, prompt_ids: list[int], tokens_a: list[int], tokens_b: l
 
 
 def end_of_text(path: str) -> int:
-    """The model's end-of-text id: the first EOS of its generation config, else its tokenizer's."""
-    from transformers import AutoTokenizer, GenerationConfig
+    """The model's end-of-text id: the first of margins.end_of_text_ids."""
+    from spectie.margins import end_of_text_ids
 
-    try:
-        eos = GenerationConfig.from_pretrained(path).eos_token_id
-    except OSError:
-        eos = None
-    if eos is None:
-        eos = AutoTokenizer.from_pretrained(path).eos_token_id
-    if eos is None:
-        raise UsageError(f"model {path} names no end-of-text token: a stop against a continuation cannot be read")
-    return eos[0] if isinstance(eos, (list, tuple)) else int(eos)
+    return end_of_text_ids(path)[0]
 
 
 def read_pair(path: str | Path) -> dict:

@@ -341,7 +341,7 @@ class MarginsSetup:
 def prepare(model: str, device: str, watch_tokens: list[str], serving_dtype: str,
             compare_dtypes: list[str]) -> MarginsSetup:
     """Check every parameter (cheaply, before loading weights), then load one model per dtype."""
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoTokenizer
 
     from spectie.tokenizer import token_id
 
@@ -360,11 +360,7 @@ def prepare(model: str, device: str, watch_tokens: list[str], serving_dtype: str
     watch = {}
     for token in watch_tokens:
         watch[token] = token_id(tokenizer, token)  # raises, naming the token, if it is not one token
-    try:
-        eos = GenerationConfig.from_pretrained(path).eos_token_id
-    except OSError:
-        eos = tokenizer.eos_token_id
-    eos_ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    eos_ids = end_of_text_ids(path, tokenizer)
     models = {dtype: load_model(path, dtype, device) for dtype in dtypes}
     return MarginsSetup(model, path, device, serving_dtype, dtypes, watch, eos_ids, tokenizer, models)
 
@@ -373,6 +369,21 @@ def flip_pairs(measurement: PromptMeasurement, reference: str, other: str) -> li
     """(reference top-1 margin, does `other` pick a different top-1?) at every generated position."""
     return [(row[f"{reference}_margin"], row[f"{reference}_top1_id"] != row[f"{other}_top1_id"])
             for row in measurement.rows]
+
+
+def end_of_text_ids(path: str, tokenizer=None) -> list[int]:
+    """The model's end-of-text ids: its generation config's EOS, else its tokenizer's."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:
+        eos = None
+    if eos is None:
+        eos = (tokenizer or AutoTokenizer.from_pretrained(path)).eos_token_id
+    if eos is None:
+        raise UsageError(f"model {path} names no end-of-text token: a stop against a continuation cannot be read")
+    return [int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)]
 
 
 def eos_decision_flips(measurement: PromptMeasurement, eos_ids: list[int]) -> list[dict]:

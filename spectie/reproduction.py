@@ -248,14 +248,17 @@ def prompt_seed(record: dict) -> int:
     return record["parameters"].get("prompt_seed", 0)
 
 
+def run_key(record: dict) -> tuple:
+    """Which matrix run a record belongs to: environment, host, matrix."""
+    return record["environments"][0], record["fingerprint"]["host_id"], record["parameters"]["matrix"]
+
+
 def first_prompt(records: list[dict]) -> list[dict]:
     """The runs of each host's first prompt seed (the incident's prompt where it ran): one per configuration."""
     first: dict[tuple, int] = {}
     for r in records:
-        key = (r["environments"][0], r["fingerprint"]["host_id"], r["parameters"]["matrix"])
-        first[key] = min(first.get(key, prompt_seed(r)), prompt_seed(r))
-    return [r for r in records if prompt_seed(r) == first[(r["environments"][0], r["fingerprint"]["host_id"],
-                                                                r["parameters"]["matrix"])]]
+        first[run_key(r)] = min(first.get(run_key(r), prompt_seed(r)), prompt_seed(r))
+    return [r for r in records if prompt_seed(r) == first[run_key(r)]]
 
 
 def _stop(results: dict) -> int | None:
