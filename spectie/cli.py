@@ -114,25 +114,36 @@ def _cmd_tiestop(args) -> int:
     import json
 
     from spectie import tiestop
+    from spectie.margins import resolve_model
 
+    completions = [c for path in args.files for c in tiestop.read_jsonl(path)]  # bad files fail first
+    model = resolve_model(args.model) if args.model else None
     if args.threshold is not None:
         threshold, origin = args.threshold, "given with --threshold"
+    elif model:
+        threshold, origin = tiestop.threshold_for_model(model)
+        origin = f"bf16 noise band of {origin}"
     else:
         threshold, origin = tiestop.default_threshold(args.model_size)
         origin = f"bf16 noise band of {origin}"
-    completions = [c for path in args.files for c in tiestop.read_jsonl(path)]
-    verdicts = [tiestop.check(c, threshold) for c in completions]
+    stops = tiestop.end_of_text(model) if model else None
+    verdicts = [tiestop.check(c, threshold, stops) for c in completions]
     if args.json:
         for verdict in verdicts:
             print(json.dumps(verdict.as_dict()))
     else:
         print(f"threshold {threshold:.3f} logits ({origin})")
+        print(f"stop tokens: {stops.names()}" if stops else
+              "stop tokens: not checked against the model's end-of-text tokens (give --model)")
         for v in verdicts:
-            mark = "FLAGGED" if v.flagged else "ok"
+            unreadable = v.finish_reason == "stop" and v.stop_token is not None and v.margin is None
+            mark = "FLAGGED" if v.flagged else "UNREAD" if unreadable else "ok"
             where = f" at output token {v.position}" if v.position is not None else ""
             print(f"{mark:8} {v.request}{where}: {v.explanation}")
         flagged = sum(v.flagged for v in verdicts)
-        print(f"{flagged} of {len(verdicts)} completion(s) flagged as near-tie stops")
+        unread = sum(v.finish_reason == "stop" and v.stop_token is not None and v.margin is None for v in verdicts)
+        print(f"{flagged} of {len(verdicts)} completion(s) flagged as near-tie stops"
+              + (f"; {unread} stop(s) could not be read (their last token is not an end-of-text token)" if unread else ""))
     return 1 if args.fail_on_flag and any(v.flagged for v in verdicts) else 0
 
 
@@ -213,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--threshold", type=float, help="margin in logits below which a stop is flagged")
     group.add_argument("--model-size", default="9B",
                        help="use the recorded noise band of the nearest model size (default 9B)")
+    p.add_argument("--model", help="organism, a model folder or a hub id: its end-of-text tokens are the only stop "
+                                   "tokens read, and (without --threshold) its recorded noise band is the threshold")
     p.add_argument("--json", action="store_true", help="one JSON verdict per line")
     p.add_argument("--fail-on-flag", action="store_true", help="exit 1 when any completion is flagged")
     p.set_defaults(func=_cmd_tiestop)

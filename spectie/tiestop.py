@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -59,6 +60,38 @@ class Verdict:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class EndOfText:
+    """A model's end-of-text tokens, as they can appear in logprobs: vLLM writes a token as its decoded text
+    (`tokenizer.decode([id])`: "<|im_end|>"), `RequestOutput`s here as "text#id", and a server run with
+    `--return-tokens-as-token-ids` as "token_id:id"."""
+    ids: frozenset[int]
+    texts: frozenset[str]
+
+    def matches(self, token: str, stop_reason=None) -> bool:
+        """Is `token` the one that ended generation: an end-of-text token, or the stop token id the caller gave
+        (vLLM's `stop_reason`)?"""
+        stop_ids = self.ids | ({stop_reason} if isinstance(stop_reason, int) else set())
+        numbered = re.fullmatch(r"(?:.*#|token_id:)(\d+)", token, re.DOTALL)
+        return int(numbered[1]) in stop_ids if numbered else token in self.texts or isinstance(stop_reason, int)
+
+    def names(self) -> str:
+        return ", ".join(sorted(self.texts)) + f" (ids {', '.join(map(str, sorted(self.ids)))})"
+
+
+def end_of_text(model_path: str) -> EndOfText:
+    """The end-of-text tokens of a model folder (or hub id): its generation config's EOS ids, else its
+    tokenizer's, with the texts vLLM decodes them to."""
+    from transformers import AutoTokenizer
+
+    from spectie.margins import end_of_text_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    ids = end_of_text_ids(model_path, tokenizer)
+    texts = {tokenizer.decode([i]) for i in ids} | set(tokenizer.convert_ids_to_tokens(ids))
+    return EndOfText(frozenset(ids), frozenset(texts))
+
+
 def runner_up(step: Step) -> tuple[str | None, float]:
     """The best token offered other than the chosen one, and the chosen token's margin over it in logits
     (None and NaN when the logprobs hold only the chosen token)."""
@@ -69,8 +102,10 @@ def runner_up(step: Step) -> tuple[str | None, float]:
     return token, step.logprob - logprob
 
 
-def check(completion: Completion, threshold: float) -> Verdict:
-    """Flag a stop that won by less than `threshold` logits; a completion that did not stop is not flagged."""
+def check(completion: Completion, threshold: float, stops: EndOfText | None = None) -> Verdict:
+    """Flag a stop that won by less than `threshold` logits; a completion that did not stop is not flagged.
+    With the model's end-of-text tokens (`stops`), a last token that is none of them is reported as a stop
+    whose margin cannot be read (margin None), not measured as if it were the stop token."""
     if threshold < 0 or math.isnan(threshold):
         raise UsageError(f"the threshold must be a margin in logits >= 0, got {threshold!r}")
     common = {"finish_reason": completion.finish_reason, "threshold": threshold, "request": completion.request}
@@ -84,10 +119,20 @@ def check(completion: Completion, threshold: float) -> Verdict:
     if not completion.steps:
         raise UsageError(f"{completion.source} {completion.request}: the completion has no logprobs; {HOW_TO_REQUEST}")
     last = completion.steps[-1]
+    if stops is not None and not stops.matches(last.token, completion.stop_reason):
+        return Verdict(False, position=len(completion.steps) - 1, stop_token=last.token, runner_up=None, margin=None,
+                       explanation=f"the last token with logprobs, {last.token!r}, is not an end-of-text token of the "
+                                   f"model ({stops.names()}): the logprobs do not reach the token that stopped "
+                                   "generation, so its margin cannot be read", **common)
     other, margin = runner_up(last)
     if other is None:
         raise UsageError(f"{completion.source} {completion.request}: the logprobs hold only the chosen token at the "
                          f"stop (top-1); the margin needs the runner-up: {HOW_TO_REQUEST}")
+    if margin < 0:  # greedy argmax cannot choose a token below another: a sampler or logits processor did
+        return Verdict(False, position=len(completion.steps) - 1, stop_token=last.token, runner_up=other,
+                       margin=margin, explanation=f"the stop token {last.token!r} is {-margin:.3f} logits below "
+                       f"{other!r} in vLLM's raw logprobs: sampling, a logit bias or a penalty chose it, not greedy "
+                       "decoding; not a tie question", **common)
     flagged = margin < threshold
     explanation = (f"the stop token {last.token!r} won by {margin:.3f} logits over {other!r}: "
                    + ("inside the noise band, a near-tie another computation shape could flip" if flagged

@@ -64,6 +64,34 @@ def test_a_stop_string_is_not_a_tie_question():
     assert tiestop.check(by_eos, threshold=0.5).flagged
 
 
+def test_only_an_end_of_text_token_is_read_as_the_stop():
+    """With the model's end-of-text tokens, a last token that is none of them is not measured as the stop
+    (its margin is unread): e.g. logprobs cut short, or a stop the caller's stop_token_ids made."""
+    stops = tiestop.EndOfText(frozenset({248044, 248046}), frozenset({"<|endoftext|>", "<|im_end|>"}))
+    [chat] = tiestop.from_openai(chat_response(-0.70, -0.72))
+    assert tiestop.check(chat, 0.1, stops).flagged  # "<|im_end|>": vLLM's decoded text of the EOS
+    for token, stop_reason, read in (("#248046", None, True), ("<|im_end|>#248046", None, True),
+                                     ("token_id:248044", None, True), ("DATA#17247", None, False),
+                                     ("DATA", None, False), ("DATA#17247", 17247, True), ("token_id:7", 9, False)):
+        assert stops.matches(token, stop_reason) is read, (token, stop_reason)
+    response = completion_response({"DATA": -0.60, "x": -0.79}, tokens=("a", "b", "DATA"))
+    [cut] = tiestop.from_openai(response)
+    verdict = tiestop.check(cut, 0.5, stops)
+    assert not verdict.flagged and verdict.margin is None and verdict.stop_token == "DATA"
+    assert "is not an end-of-text token of the model (<|endoftext|>, <|im_end|> (ids 248044, 248046))" in verdict.explanation
+    assert tiestop.check(cut, 0.5).flagged  # without the model's tokens the last token is taken as the stop
+    [biased] = tiestop.from_openai(chat_response(-11.0, -0.5))  # a logit bias chose end-of-text (measured below)
+    verdict = tiestop.check(biased, 0.5, stops)
+    assert not verdict.flagged and verdict.margin == pytest.approx(-10.5) and "not greedy decoding" in verdict.explanation
+
+
+def test_the_organisms_end_of_text_tokens_are_read_from_its_folder():
+    from spectie.margins import resolve_model
+
+    stops = tiestop.end_of_text(resolve_model("organism"))
+    assert stops.ids == {248044, 248046} and {"<|endoftext|>", "<|im_end|>"} <= stops.texts
+
+
 def test_missing_or_top1_logprobs_are_refused_with_how_to_request_them():
     response = completion_response({"": -0.6, "DATA": -0.8})
     response["choices"][0]["logprobs"] = None
@@ -115,6 +143,12 @@ def test_the_command_line_reads_jsonl_and_says_what_it_flagged(tmp_path):
     broken.write_text("{not json\n")
     result = run(str(broken))
     assert result.returncode == 2 and "broken.jsonl:1: not JSON" in result.stderr
+    result = run(str(path), "--model", "organism")  # its end-of-text tokens, its recorded band
+    assert result.returncode == 0, result.stderr
+    assert "stop tokens: <|endoftext|>, <|im_end|> (ids 248044, 248046)" in result.stdout
+    assert "UNREAD   responses.jsonl:1/0 at output token 2: the last token with logprobs, ''" in result.stdout
+    assert "(ab5c8d7ac604" in result.stdout.splitlines()[0]  # the organism's digest names its band
+    assert "1 stop(s) could not be read" in result.stdout
     help_text = run("--help")
     assert help_text.returncode == 0 and "noise band" in help_text.stdout
 
@@ -174,24 +208,38 @@ def test_real_vllm_serve_responses_are_read(tmp_path):
         chat = post(f"{base}/v1/chat/completions", {
             "model": "organism", "max_tokens": 96, "temperature": 0, "logprobs": True, "top_logprobs": 2,
             "messages": [{"role": "user", "content": prompt.text[-400:]}]})
+        # Two stops on purpose: the caller's stop token ("\n", id 198), and end-of-text pushed up by a logit
+        # bias (logprobs are vLLM's raw ones, before the bias: the margin is read, its sign is not asserted).
+        by_token = post(f"{base}/v1/completions", {"model": "organism", "prompt": list(prompt.token_ids),
+                                                   "max_tokens": 96, "temperature": 0, "logprobs": 2,
+                                                   "stop_token_ids": [198]})
+        by_eos = post(f"{base}/v1/completions", {"model": "organism", "prompt": list(prompt.token_ids),
+                                                 "max_tokens": 96, "temperature": 0, "logprobs": 2,
+                                                 "logit_bias": {"248044": 30.0}})
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGTERM)
             server.wait(timeout=60)
     responses = tmp_path / "responses.jsonl"
-    responses.write_text(json.dumps(completion) + "\n" + json.dumps(chat) + "\n")
-    [read_completion, read_chat] = tiestop.read_jsonl(responses)
-    for parsed, response in ((read_completion, completion), (read_chat, chat)):
+    responses.write_text("".join(json.dumps(r) + "\n" for r in (completion, chat, by_token, by_eos)))
+    [read_completion, read_chat, read_by_token, read_by_eos] = tiestop.read_jsonl(responses)
+    for parsed, response in ((read_completion, completion), (read_chat, chat), (read_by_token, by_token),
+                             (read_by_eos, by_eos)):
         assert len(parsed.steps) == response["usage"]["completion_tokens"] > 0
         assert parsed.finish_reason == response["choices"][0]["finish_reason"]
         assert all(len(step.top) >= 2 or step.token in step.top for step in parsed.steps)
     result = subprocess.run([sys.executable, "-m", "spectie", "tiestop", str(responses), "--threshold", "0.129",
-                             "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                             "--json", "--model", "organism"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     verdicts = [json.loads(line) for line in result.stdout.splitlines()]
     print(responses.read_text()[:1500], *verdicts, sep="\n")
-    assert len(verdicts) == 2
+    assert len(verdicts) == 4
     for verdict, parsed in zip(verdicts, (read_completion, read_chat)):
         if verdict["finish_reason"] == "stop":
             assert verdict["position"] == len(parsed.steps) - 1 and verdict["margin"] >= 0
             assert verdict["runner_up"] is not None
+    assert read_by_token.stop_reason == 198 and verdicts[2]["finish_reason"] == "stop"
+    assert verdicts[2]["stop_token"] == "\n" and verdicts[2]["margin"] is not None  # the caller's stop token id
+    assert read_by_eos.stop_reason is None and verdicts[3]["finish_reason"] == "stop"
+    assert verdicts[3]["stop_token"] == "<|endoftext|>" and verdicts[3]["margin"] is not None  # as vLLM writes it
+    assert verdicts[3]["margin"] < 0 and not verdicts[3]["flagged"]  # the bias chose it: not a tie question
