@@ -122,10 +122,8 @@ def _cmd_tiestop(args) -> int:
         threshold, origin = args.threshold, "given with --threshold"
     elif model:
         threshold, origin = tiestop.threshold_for_model(model)
-        origin = f"bf16 noise band of {origin}"
     else:
-        threshold, origin = tiestop.default_threshold(args.model_size)
-        origin = f"bf16 noise band of {origin}"
+        threshold, origin = tiestop.default_threshold()
     stops = tiestop.end_of_text(model) if model else None
     verdicts = [tiestop.check(c, threshold, stops) for c in completions]
     if args.json:
@@ -220,10 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "requested with top-2 logprobs) whose stop token won by a margin inside the "
                                    "bf16 noise band: a near-tie stop that another computation shape could flip.")
     p.add_argument("files", nargs="+", help="JSONL files, one response per line")
-    group = p.add_mutually_exclusive_group()
-    group.add_argument("--threshold", type=float, help="margin in logits below which a stop is flagged")
-    group.add_argument("--model-size", default="9B",
-                       help="use the recorded noise band of the nearest model size (default 9B)")
+    p.add_argument("--threshold", type=float, help="margin in logits below which a stop is flagged (default: the band "
+                                                   "recorded for --model's weights, else the incident's reported "
+                                                   "fp32-vs-bf16 swing)")
     p.add_argument("--model", help="organism, a model folder or a hub id: its end-of-text tokens are the only stop "
                                    "tokens read, and (without --threshold) its recorded noise band is the threshold")
     p.add_argument("--json", action="store_true", help="one JSON verdict per line")

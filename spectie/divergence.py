@@ -110,7 +110,6 @@ def classify(model: str, prompt_ids: list[int], tokens_a: list[int], tokens_b: l
     origin = "given"
     if threshold is None:
         threshold, origin = threshold_for_model(path)
-        origin = f"bf16 noise band of {origin}"
     with reference_gdn_kernels():
         reference = load_model(path, "float32", device)
         rows_a = teacher_forced_logits(reference, list(prompt_ids) + tokens_a, [start + i for i in range(len(tokens_a))])

@@ -105,25 +105,25 @@ def test_missing_or_top1_logprobs_are_refused_with_how_to_request_them():
         tiestop.from_openai({"error": "x"})
 
 
-def test_default_threshold_is_the_band_of_the_nearest_recorded_size():
-    band, label = tiestop.default_threshold("9B")
-    assert "qwen3.5-9b-shape" in label and 0.3 < band < 1.5
-    band_small, label_small = tiestop.default_threshold("30M")
-    assert "organism" in label_small and band_small < band
-    with pytest.raises(UsageError, match="give parameters like 9B"):
-        tiestop.default_threshold("nine")
+def test_without_a_band_for_these_weights_the_threshold_is_the_incidents_reported_swing():
+    """fp32: EOS by 0.67; bf16: DATA by 0.69 (reported): the margin moved 1.36 logits between precisions. A
+    random-weight shape's band is never the default (its scale is a free parameter of the random weights)."""
+    band, label = tiestop.default_threshold()
+    assert band == pytest.approx(1.36) and label.startswith("reported:") and "hf-reference-logits-1854" in label
+    record = {"id": "r", "results": {"rows": [{"dtype": "fp32", "margin": 0.2, "winner": "EOS"},
+                                              {"dtype": "bf16", "margin": 0.1, "winner": "EOS"}]}}
+    assert tiestop.reported_swing(record)[0] == pytest.approx(0.1)  # same winner: the margins' difference
+    assert tiestop.default_threshold(digest="000000000000") == (band, label)
 
 
-def test_default_threshold_prefers_the_band_of_the_same_weights():
-    """A band recorded with these very weights (same digest) wins over the nearest size; a digest no record
-    has falls back to the nearest size."""
+def test_default_threshold_is_the_band_recorded_for_the_same_weights():
     from spectie.sensitivity import recorded_band_points
 
     points = [p for p in recorded_band_points() if p["dtype"] == "bfloat16" and not p["tf32"]]
     digest = next(p["model_sha256"] for p in points if p["model_sha256"])
-    band, label = tiestop.default_threshold("9B", digest=digest)
-    assert band == max(p["band"] for p in points if p["model_sha256"] == digest) and "9b-shape" not in label
-    assert tiestop.default_threshold("9B", digest="000000000000") == tiestop.default_threshold("9B")
+    band, label = tiestop.default_threshold(digest=digest)
+    assert band == max(p["band"] for p in points if p["model_sha256"] == digest)
+    assert label.startswith("bf16 noise band of") and band != pytest.approx(1.36)
 
 
 def test_the_command_line_reads_jsonl_and_says_what_it_flagged(tmp_path):
