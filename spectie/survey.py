@@ -110,26 +110,44 @@ def run(model: str, environment: str, count: int = 32, configurations: list[str]
 
 
 def classified(record: dict):
-    """(configuration, completion, baseline's completion of the same prompt, first divergence) for every
-    completion of a survey; the divergence is None for the baseline and for an unchanged completion."""
+    """(prompt index, configuration, completion, baseline's completion of the same prompt, first divergence) for
+    every completion of a survey; the divergence is None for the baseline and for an unchanged completion.
+    A prompt without the baseline's completion cannot tell ordinary from moved: it is refused."""
     from spectie.reproduce import first_divergence
 
     baseline = record["parameters"]["baseline"]
-    for row in record["results"]["prompts"]:
+    for index, row in enumerate(record["results"]["prompts"]):
         plain = row["completions"].get(baseline)
+        if plain is None:
+            raise UsageError(f"survey record {record.get('id', '')!r}, prompt {index}: no completion of the baseline "
+                             f"{baseline!r} (it has {', '.join(row['completions']) or 'none'}), so its completions "
+                             "cannot be told ordinary or moved by speculation")
         for cid, completion in row["completions"].items():
-            moved_at = (first_divergence(completion["token_ids"], plain["token_ids"])
-                        if cid != baseline and plain is not None else None)
-            yield cid, completion, plain, moved_at
+            moved_at = first_divergence(completion["token_ids"], plain["token_ids"]) if cid != baseline else None
+            yield index, cid, completion, plain, moved_at
+
+
+def distinct_stops(record: dict) -> dict[str, list[dict]]:
+    """The survey's stops, each counted once: *ordinary* ones are the baseline's (one per prompt; a speculative
+    completion identical to it is the same stop), *moved* ones are the distinct stopped outputs that speculation
+    made differ from the baseline on a prompt (several configurations writing the same output: one stop)."""
+    found: dict[str, list[dict]] = {"ordinary": [], "moved": []}
+    seen = set()
+    for index, cid, completion, _, moved_at in classified(record):
+        if completion["finish_reason"] != "stop":
+            continue
+        if cid == record["parameters"]["baseline"]:
+            found["ordinary"].append(completion)
+        elif moved_at is not None and (index, tuple(completion["token_ids"])) not in seen:
+            seen.add((index, tuple(completion["token_ids"])))
+            found["moved"].append(completion)
+    return found
 
 
 def margins_by_kind(record: dict) -> dict[str, list[float]]:
-    """Stop margins of the ordinary and of the moved stops (for a plot against the threshold)."""
-    found: dict[str, list[float]] = {"ordinary": [], "moved": []}
-    for _, completion, _, moved_at in classified(record):
-        if completion["finish_reason"] == "stop" and completion["stop_margin"]:
-            found["ordinary" if moved_at is None else "moved"].append(completion["stop_margin"]["margin"])
-    return found
+    """Stop margins of the ordinary and of the moved stops, each stop once (for a plot against the threshold)."""
+    return {kind: [c["stop_margin"]["margin"] for c in stops if c["stop_margin"]]
+            for kind, stops in distinct_stops(record).items()}
 
 
 def margin_at(completion: dict, position: int) -> float | None:
@@ -138,19 +156,22 @@ def margin_at(completion: dict, position: int) -> float | None:
 
 
 def tally(record: dict, threshold: float) -> dict:
-    """Counts of the survey at `threshold`: completions, stops, ordinary stops flagged (false positives),
+    """Counts of the survey at `threshold`: completions, stops (each once: `distinct_stops`), ordinary stops
+    flagged (false positives),
     moved stops flagged, moved completions whose first divergence was itself a near-tie (the top-2 margin
     vLLM reported there, in the baseline's run or the speculative one, inside the threshold), the smallest
     ordinary stop margin."""
     completions = list(classified(record))
-    stops = [c for _, c, _, _ in completions if c["finish_reason"] == "stop"]
-    moved = [(c, plain, at) for _, c, plain, at in completions if at is not None]
+    stopped = [c for _, _, c, _, _ in completions if c["finish_reason"] == "stop"]
+    moved = [(c, plain, at) for _, _, c, plain, at in completions if at is not None]
     at_divergence = [min((m for m in (margin_at(plain, at), margin_at(c, at)) if m is not None), default=None)
                      for c, plain, at in moved]
+    stops = distinct_stops(record)
     margins = margins_by_kind(record)
     counts = {
-        "completions": len(completions), "moved": len(moved), "stops": len(stops),
-        "not_stopped": len(completions) - len(stops), "no_logprobs": sum(c["stop_margin"] is None for c in stops),
+        "completions": len(completions), "moved": len(moved), "stops": len(stops["ordinary"]) + len(stops["moved"]),
+        "stopped_completions": len(stopped), "not_stopped": len(completions) - len(stopped),
+        "no_logprobs": sum(c["stop_margin"] is None for kind in stops.values() for c in kind),
         "ordinary_stops": len(margins["ordinary"]), "moved_stops": len(margins["moved"]),
         "ordinary_flagged": sum(m < threshold for m in margins["ordinary"]),
         "moved_flagged": sum(m < threshold for m in margins["moved"]),
@@ -159,6 +180,6 @@ def tally(record: dict, threshold: float) -> dict:
     counts["false_positive_rate"] = (counts["ordinary_flagged"] / counts["ordinary_stops"]
                                      if counts["ordinary_stops"] else None)
     counts["ordinary_margin_min"] = min(margins["ordinary"], default=None)
-    positive = [m for _, c, _, _ in completions for m in c.get("top2_margins") or [] if m > 0]
+    positive = [m for _, _, c, _, _ in completions for m in c.get("top2_margins") or [] if m > 0]
     counts["margin_resolution"] = min(positive, default=None)  # smallest non-zero margin vLLM returned
     return counts

