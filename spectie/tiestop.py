@@ -213,7 +213,8 @@ def reported_swing(record: dict | None = None) -> tuple[float, str]:
     signed = {dtype: row["margin"] if row["winner"] == "EOS" else -row["margin"] for dtype, row in rows.items()}
     swing = abs(signed["fp32"] - signed["bf16"])
     return swing, (f"reported: the EOS-DATA margin moved {swing:.2f} logits between the fp32 and bf16 references on "
-                   f"the incident's Qwen3.5 (record {record['id']}); no band is recorded for these weights")
+                   f"the incident's Qwen3.5 (record {record['id']}); no band is recorded for these weights: "
+                   "`make run CHAPTER=reduction_order MODEL=<model>` records one")
 
 
 def default_threshold(digest: str | None = None, records: list[dict] | None = None) -> tuple[float, str]:

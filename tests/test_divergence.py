@@ -21,15 +21,22 @@ def organism_runs():
     return planted_bug("organism")
 
 
+# The pinned organism's bf16 noise band, about 0.107 logits as the reduction-order chapter measured it on this
+# CPU (2026-12-04). Given explicitly: without it the band is whatever a build recorded here, and on a fresh clone
+# (no build yet) it is the incident's reported fp32-vs-bf16 swing, 1.36 logits, wide enough to call the planted
+# bug a near-tie (measured on a fresh clone: 'numerical near-tie').
+ORGANISM_BAND = 0.125
+
+
 def test_a_planted_state_bug_is_a_suspected_bug(organism_runs):
     prompt, plain, buggy = organism_runs
     assert buggy != plain
-    result = divergence.classify("organism", prompt, buggy, plain)
+    result = divergence.classify("organism", prompt, buggy, plain, threshold=ORGANISM_BAND)
     assert result.verdict == divergence.SUSPECTED_BUG, result.explanation
     assert result.position == first_divergence(buggy, plain)
     assert abs(result.reference_margin) > result.threshold or result.outside_band_a
     assert result.outside_band_a and not result.outside_band_b  # the buggy run strays; plain bf16 does not
-    assert "organism" in result.threshold_origin
+    assert result.threshold_origin == "given"
 
 
 def test_identical_sequences_are_said_to_be_identical(organism_runs):
@@ -83,7 +90,7 @@ def test_the_command_line_classifies_a_pair_file(organism_runs, tmp_path):
     assert result.returncode == 0 and "identical" in result.stdout, result.stderr
     bug = tmp_path / "bug.json"
     bug.write_text(json.dumps({"prompt_token_ids": prompt, "a": buggy, "b": plain, "model": "organism"}))
-    result = run(str(bug), "--json", "--fail-on-bug")
+    result = run(str(bug), "--json", "--fail-on-bug", "--threshold", str(ORGANISM_BAND))
     assert result.returncode == 1 and json.loads(result.stdout)["verdict"] == divergence.SUSPECTED_BUG
     broken = tmp_path / "broken.json"
     broken.write_text(json.dumps({"a": [1]}))

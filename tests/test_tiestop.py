@@ -143,12 +143,13 @@ def test_the_command_line_reads_jsonl_and_says_what_it_flagged(tmp_path):
     broken.write_text("{not json\n")
     result = run(str(broken))
     assert result.returncode == 2 and "broken.jsonl:1: not JSON" in result.stderr
-    result = run(str(path), "--model", "organism")  # its end-of-text tokens, its recorded band
+    result = run(str(path), "--model", "organism", "--threshold", "0.5")  # its end-of-text tokens
     assert result.returncode == 0, result.stderr
     assert "stop tokens: <|endoftext|>, <|im_end|> (ids 248044, 248046)" in result.stdout
     assert "UNREAD   responses.jsonl:1/0 at output token 2: the last token with logprobs, ''" in result.stdout
-    assert "(ab5c8d7ac604" in result.stdout.splitlines()[0]  # the organism's digest names its band
     assert "1 stop(s) could not be read" in result.stdout
+    first_line = run(str(path)).stdout.splitlines()[0]  # no model, no threshold: the reported swing, said so
+    assert first_line.startswith("threshold 1.360 logits (reported: the EOS-DATA margin moved 1.36")
     help_text = run("--help")
     assert help_text.returncode == 0 and "noise band" in help_text.stdout
 
