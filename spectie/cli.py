@@ -134,12 +134,11 @@ def _cmd_tiestop(args) -> int:
         print(f"stop tokens: {stops.names()}" if stops else
               "stop tokens: not checked against the model's end-of-text tokens (give --model)")
         for v in verdicts:
-            unreadable = v.finish_reason == "stop" and v.stop_token is not None and v.margin is None
-            mark = "FLAGGED" if v.flagged else "UNREAD" if unreadable else "ok"
+            mark = "FLAGGED" if v.flagged else "UNREAD" if v.unread else "ok"
             where = f" at output token {v.position}" if v.position is not None else ""
             print(f"{mark:8} {v.request}{where}: {v.explanation}")
         flagged = sum(v.flagged for v in verdicts)
-        unread = sum(v.finish_reason == "stop" and v.stop_token is not None and v.margin is None for v in verdicts)
+        unread = sum(v.unread for v in verdicts)
         print(f"{flagged} of {len(verdicts)} completion(s) flagged as near-tie stops"
               + (f"; {unread} stop(s) could not be read (their last token is not an end-of-text token)" if unread else ""))
     return 1 if args.fail_on_flag and any(v.flagged for v in verdicts) else 0

@@ -344,32 +344,33 @@ def run_summary(records: list[dict], decisive_output_token: int, pieces) -> str:
     for r in records:
         configs.setdefault(r["parameters"]["configuration"], []).append(r)
     groups: dict[str, list[str]] = {}
+    partial = False  # some configuration recorded fewer generations than asked
     for name, runs in configs.items():
         recorded = sum(r["results"]["runs_total"] for r in runs)
         asked = sum(r["parameters"]["repeats"] for r in runs)
         statuses = ", ".join(sorted({r["results"]["status"] for r in runs}))
+        partial = partial or recorded != asked
         groups.setdefault(statuses, []).append(name if recorded == asked else f"{name} ({recorded} of {asked})")
-    causes: dict[str, list[str]] = {}  # one line per kind of error (numbers aside), with its configurations
+    causes: dict[str, tuple[str, list[str]]] = {}  # kind of error (numbers aside) -> its first text, configurations
     for name, runs in configs.items():
         for error in (r["results"]["error"] for r in runs if r["results"].get("error")):
             cause = root_cause(error) or f"{error['type']}: {error['message'][-200:]}"
-            kind = re.sub(r"\d+(?:\.\d+)?", "#", cause)
-            causes.setdefault(kind, [cause])
-            if name not in causes[kind]:
-                causes[kind].append(name)
+            _, names = causes.setdefault(re.sub(r"\d+(?:\.\d+)?", "#", cause), (cause, []))
+            if name not in names:
+                names.append(name)
     baseline = records[0]["parameters"]["baseline"]
     seeds = sorted({prompt_seed(r) for r in records})
     text = (f"{len(configs)} configuration{'s' if len(configs) != 1 else ''} recorded on {len(seeds)} "
             f"prompt{'s' if len(seeds) != 1 else ''} (seeds {', '.join(map(str, seeds))}). "
-            + " ".join(f"{status.capitalize()}: {', '.join(names)}." for status, names in groups.items())
-            + " (A name with a count recorded only that many of its generations.)" * any(
-                "(" in n for names in groups.values() for n in names))
+            + " ".join(f"{status.capitalize()}: {', '.join(names)}." for status, names in groups.items()))
+    if partial:
+        text += " (A name with a count recorded only that many of its generations.)"
     unexpected = [f"{name} (expected {runs[0]['results']['expected']})" for name, runs in configs.items()
                   if any(r["results"].get("as_expected") is False for r in runs)]
     if unexpected:
         text += f" Not as the matrix expected: {', '.join(unexpected)}."
-    for first, *names in causes.values():
-        text += f" The engine's own error of {', '.join(names)}: \"{first}\"."
+    for cause, names in causes.values():
+        text += f" The engine's own error of {', '.join(names)}: \"{cause}\"."
     return (f"{text} At the designed decision (output token {decisive_output_token}) of the first prompt: "
             f"{decision_text(first_prompt(records), decisive_output_token, pieces)}. Across prompts: "
             f"{seeds_text(records, baseline, decisive_output_token)}.")

@@ -144,10 +144,11 @@ def distinct_stops(record: dict) -> dict[str, list[dict]]:
     return found
 
 
-def margins_by_kind(record: dict) -> dict[str, list[float]]:
-    """Stop margins of the ordinary and of the moved stops, each stop once (for a plot against the threshold)."""
-    return {kind: [c["stop_margin"]["margin"] for c in stops if c["stop_margin"]]
-            for kind, stops in distinct_stops(record).items()}
+def margins_by_kind(record: dict, stops: dict[str, list[dict]] | None = None) -> dict[str, list[float]]:
+    """Stop margins of the ordinary and of the moved stops, each stop once (for a plot against the threshold);
+    `stops`: the record's `distinct_stops`, if already found."""
+    return {kind: [c["stop_margin"]["margin"] for c in found if c["stop_margin"]]
+            for kind, found in (stops or distinct_stops(record)).items()}
 
 
 def margin_at(completion: dict, position: int) -> float | None:
@@ -167,7 +168,7 @@ def tally(record: dict, threshold: float) -> dict:
     at_divergence = [min((m for m in (margin_at(plain, at), margin_at(c, at)) if m is not None), default=None)
                      for c, plain, at in moved]
     stops = distinct_stops(record)
-    margins = margins_by_kind(record)
+    margins = margins_by_kind(record, stops)
     counts = {
         "completions": len(completions), "moved": len(moved), "stops": len(stops["ordinary"]) + len(stops["moved"]),
         "stopped_completions": len(stopped), "not_stopped": len(completions) - len(stopped),

@@ -56,6 +56,11 @@ class Verdict:
     explanation: str
     request: str = ""
 
+    @property
+    def unread(self) -> bool:
+        """A stop whose last token is not the model's end-of-text: its margin could not be read."""
+        return self.finish_reason == "stop" and self.stop_token is not None and self.margin is None
+
     def as_dict(self) -> dict:
         return asdict(self)
 
