@@ -94,9 +94,16 @@ def model_digest(model: str | None) -> str | None:
     files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
     if not files:
         return None
+    return _files_digest(tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files))
+
+
+@functools.lru_cache(maxsize=16)
+def _files_digest(files: tuple) -> str:
+    """sha256 over the files' bytes, once per process for files of the same size and modification time
+    (a run writes one record per configuration and prompt: a 1.5 GB checkpoint is read once)."""
     digest = hashlib.sha256()
-    for path in files:
-        with path.open("rb") as handle:
+    for name, _, _ in files:
+        with Path(name).open("rb") as handle:
             for block in iter(lambda: handle.read(1 << 24), b""):
                 digest.update(block)
     return digest.hexdigest()[:12]

@@ -17,7 +17,7 @@ from spectie.errors import UsageError, read_yaml
 METHODS = ("none", "ngram", "ngram_gpu", "mtp")
 MODEL_RUNNERS = (None, "V1", "V2")
 FIELDS = {"id", "method", "k", "temperature", "max_tokens", "repeats", "enforce_eager", "enable_prefix_caching",
-          "model_runner", "cudagraph_mode", "batch_invariant", "expect"}
+          "model_runner", "cudagraph_mode", "batch_invariant", "expect", "ignore_eos"}
 # refused / crashed: vLLM is known to refuse this configuration, or to crash on it on this backend (kept in the
 # matrix to record it; a run that does otherwise is flagged as not as expected)
 EXPECTATIONS = ("ok", "refused", "crashed")
@@ -38,6 +38,7 @@ class EngineConfig:
     cudagraph_mode: str | None = None
     batch_invariant: bool = False
     expect: str = "ok"  # "refused" / "crashed": in the matrix to record vLLM's known refusal or crash
+    ignore_eos: bool = False  # generate max_tokens whatever the model writes (random weights: no designed stop)
 
     def llm_kwargs(self, model: str, dtype: str, **extra) -> dict:
         """Keyword arguments of `vllm.LLM` for this configuration (`extra`: shared engine arguments)."""
@@ -61,7 +62,10 @@ class EngineConfig:
     def sampling_kwargs(self) -> dict:
         """Keyword arguments of `vllm.SamplingParams`; top-2 logprobs give each token's margin over the
         runner-up (the tie-stop detector reads the stop token's)."""
-        return {"temperature": self.temperature, "max_tokens": self.max_tokens, "logprobs": 2}
+        kwargs = {"temperature": self.temperature, "max_tokens": self.max_tokens, "logprobs": 2}
+        if self.ignore_eos:
+            kwargs["ignore_eos"] = True
+        return kwargs
 
     def describe(self) -> dict:
         return asdict(self)
@@ -85,6 +89,8 @@ def _check(entry: dict, where: str) -> None:
         for value in k if isinstance(k, list) else [k]:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UsageError(f"{where}: k (num_speculative_tokens) must be an integer >= 1, got {value!r}")
+    if not isinstance(entry.get("ignore_eos", False), bool):
+        raise UsageError(f"{where}: ignore_eos must be true or false, got {entry.get('ignore_eos')!r}")
     for field in ("max_tokens", "repeats"):
         if not isinstance(entry.get(field), int) or entry[field] < 1:
             raise UsageError(f"{where}: {field} must be an integer >= 1, got {entry.get(field)!r}")
@@ -136,6 +142,15 @@ class Matrix:
     def with_environment(self, variables: dict | None) -> "Matrix":
         """More environment variables for every engine process (an environment's own needs)."""
         return replace(self, environment={**self.environment, **{str(k): str(v) for k, v in (variables or {}).items()}})
+
+    def with_sampling(self, max_tokens: int | None = None, ignore_eos: bool | None = None) -> "Matrix":
+        """Every configuration with `max_tokens` new tokens and `ignore_eos` (None: each keeps its own)."""
+        if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
+            raise UsageError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+        if ignore_eos is not None and not isinstance(ignore_eos, bool):
+            raise UsageError(f"ignore_eos must be true or false, got {ignore_eos!r}")
+        changes = {k: v for k, v in (("max_tokens", max_tokens), ("ignore_eos", ignore_eos)) if v is not None}
+        return replace(self, configs=tuple(replace(c, **changes) for c in self.configs))
 
     def with_repeats(self, repeats: int | None) -> "Matrix":
         """Every configuration with `repeats` repeats (None: each keeps its own)."""

@@ -145,3 +145,150 @@ def logit_scale(name: str, device: str, prompt_ids: list[int], logit_std: float 
         spread = model.lm_head(hidden[-CALIBRATION_ROWS:]).float().std(dim=1).mean().item()
     del model
     return logit_std / spread
+
+
+# ------------------------------------------------------------------------------ as a checkpoint
+CHECKPOINT_INFO = "random_weights.json"  # in a written checkpoint: which shape, seed and logit spread it holds
+VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, num_position_embeddings=64)  # unused tower
+
+
+def release_config(name: str):
+    """The shape's config in the layout of a Qwen3.5 release (`qwen3_5`, text and vision sub-configs), with
+    the one-layer MTP head Qwen3.5 releases carry and their interleaved multimodal RoPE sections."""
+    from transformers import Qwen3_5Config
+
+    text = config(name).to_dict()
+    rotary_half = int(text["head_dim"] * text["rope_parameters"]["partial_rotary_factor"]) // 2
+    third, rest = divmod(rotary_half, 3)
+    sections = [third + (rest > 0), third + (rest > 1), third]  # 32 -> [11, 11, 10], as Qwen3.5's releases
+    text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": sections, "mrope_interleaved": True}
+    text.update(mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False, pad_token_id=text["eos_token_id"])
+    for key in ("architectures", "model_type", "transformers_version", "dtype", "torch_dtype"):
+        text.pop(key, None)
+    release = Qwen3_5Config(text_config=text, vision_config={**VISION, "out_hidden_size": text["hidden_size"]},
+                            tie_word_embeddings=text["tie_word_embeddings"])
+    release.architectures = ["Qwen3_5ForConditionalGeneration"]
+    release.dtype = release.text_config.dtype = "bfloat16"  # as stored: vLLM's dtype "auto" serves it in bf16
+    return release
+
+
+def mtp_weights(release, seed: int) -> dict:
+    """Random weights of Qwen3.5's MTP head under the names vLLM loads (`mtp.*`): matrices normal with std
+    0.02 (transformers' initialisation), norms at their identity, rounded to bf16."""
+    import torch
+
+    from spectie.organism import MTPHead
+
+    torch.manual_seed(seed + 1)
+    head = MTPHead(release.text_config)
+    with torch.no_grad():
+        for key, parameter in head.modules.named_parameters():
+            if parameter.dim() >= 2:
+                parameter.normal_(0.0, 0.02)
+            elif "norm" in key:
+                parameter.zero_()  # Qwen3.5's RMSNorm multiplies by (1 + weight)
+    return {key: value.to(torch.bfloat16) for key, value in head.state_dict().items()}
+
+
+def checkpoint_label(name: str, seed: int) -> str:
+    return f"{name} checkpoint ({LABEL}, seed {seed})"
+
+
+def is_random_weight_run(record: dict) -> bool:
+    """Whether a record's model is a checkpoint written by `write_checkpoint` (its label says so)."""
+    return f"({LABEL}," in str(record["parameters"].get("model"))
+
+
+def model_label(model: str, path: str) -> str:
+    """How records name a model: a checkpoint written by `write_checkpoint` by its shape, seed and
+    `random-weight shape` (not by the folder it was written to); any other model as given."""
+    info = read_checkpoint_info(path)
+    return info["label"] if info else model
+
+
+def read_checkpoint_info(folder: str) -> dict | None:
+    """What a folder written by `write_checkpoint` holds (None for any other model folder)."""
+    import json
+    from pathlib import Path
+
+    path = Path(folder) / CHECKPOINT_INFO
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def write_checkpoint(name: str, out_dir: str, seed: int = 0, logit_std: float = DEFAULT_LOGIT_STD,
+                     device: str = "cpu", log=print) -> dict:
+    """The shape with its seeded random weights written as a Qwen3.5 release is (bf16 safetensors named
+    `model.language_model.*`, a random MTP head `mtp.*`, a tiny untrained vision tower, the Qwen3.5
+    tokenizer of the organism), so vLLM loads it through the same code as Qwen3.5. Its logits get the
+    spread `logit_std`, calibrated on the incident's prompt (seed 0). Returns what it wrote (also saved
+    as random_weights.json)."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer, GenerationConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+
+    from spectie.organism import organism_dir
+    from spectie.prompts import PromptSpec, build_prompt
+
+    release = release_config(name)  # an unknown shape fails here, before anything is built
+    check_memory(name, ["bfloat16"], device)
+    out = Path(out_dir)
+    tokenizer_src = organism_dir()
+    prompt = build_prompt(PromptSpec(tokens=1845, seed=0).check(), AutoTokenizer.from_pretrained(str(tokenizer_src)))
+    scale = logit_scale(name, device, list(prompt.token_ids), logit_std, seed)
+    log(f"{name}: logits scaled by {scale:.3f} for a spread of {logit_std} (seed {seed})")
+    model = build(name, "bfloat16", device, seed, scale)
+    weights = {}
+    for key, value in model.state_dict().items():
+        if key == "lm_head.weight" and release.tie_word_embeddings:
+            continue  # a tied head is stored once, as the embedding
+        if "rotary_emb" in key:
+            continue
+        weights[key if key == "lm_head.weight" else "model.language_model." + key.removeprefix("model.")] = value
+    del model
+    weights.update(mtp_weights(release, seed))
+    torch.manual_seed(seed + 2)
+    vision = Qwen3_5VisionModel._from_config(release.vision_config, dtype=torch.bfloat16)
+    weights.update({"model.visual." + k: v for k, v in vision.state_dict().items()})
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: weights[k].detach().to("cpu", torch.bfloat16).contiguous() for k in sorted(weights)},
+              str(out / "model.safetensors"), metadata={"format": "pt"})
+    release.save_pretrained(str(out))
+    GenerationConfig(eos_token_id=[248044, 248046], pad_token_id=248044, do_sample=False).save_pretrained(str(out))
+    for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer_src / file).exists():
+            shutil.copy2(tokenizer_src / file, out / file)
+    info = {"shape": name, "seed": seed, "logit_std": logit_std, "logit_scale": scale, "weights": LABEL,
+            "label": checkpoint_label(name, seed), "parameters": parameter_count(name), "written_on": device}
+    (out / CHECKPOINT_INFO).write_text(json.dumps(info, indent=2) + "\n")
+    log(f"{info['label']}: written to {out}")
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m spectie.qwen_shapes checkpoint <shape> <folder> [--seed N] [--logit-std S] [--device cuda]"""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m spectie.qwen_shapes", description=main.__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("checkpoint", help="write a random-weight shape as a Qwen3.5 release checkpoint")
+    p.add_argument("shape", choices=sorted(SHAPES))
+    p.add_argument("folder")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--logit-std", type=float, default=DEFAULT_LOGIT_STD)
+    p.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+    try:
+        write_checkpoint(args.shape, args.folder, args.seed, args.logit_std, args.device)
+    except UsageError as error:
+        print(f"error: {error}")
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -314,16 +314,19 @@ def summarize(outcome: Outcome, config: EngineConfig, prompt_len: int, baseline:
     return results
 
 
-def record_id(matrix: Matrix, config: EngineConfig, environment: str, seed: int) -> str:
+def record_id(matrix: Matrix, config: EngineConfig, environment: str, seed: int, model: str = "organism") -> str:
+    """The record's id (and file name); a model other than the organism is named in it, so that runs of two
+    models in one environment on one host never overwrite each other."""
     from spectie.fingerprint import host_id
 
-    return f"reproduce-{environment}-{matrix.name}-{config.id}-s{seed}-{host_id()}".lower().replace("_", "-")
+    named = "" if model == "organism" else re.sub(r"[^a-z0-9.]+", "-", model.lower()).strip("-")[:60] + "-"
+    return f"reproduce-{environment}-{named}{matrix.name}-{config.id}-s{seed}-{host_id()}".lower().replace("_", "-")
 
 
 def make_record(config: EngineConfig, matrix: Matrix, request: dict, results: dict, environment: str,
                 model_label: str, probe: dict, key: str, started_at: str, content_hash: str,
                 seed: int, prompt_ids: list[int]) -> dict:
-    from spectie.fingerprint import measured_record
+    from spectie.fingerprint import measured_record, model_digest
 
     kwargs = request["llm_kwargs"]
     parameters = {
@@ -333,16 +336,19 @@ def make_record(config: EngineConfig, matrix: Matrix, request: dict, results: di
         "temperature": config.temperature, "prompt_tokens": len(prompt_ids), "prompt_seed": seed,
         "prompt_seeds": len(request["prompts"]), "expect": config.expect,
         "configuration": config.id, "matrix": matrix.name, "baseline": matrix.baseline, "model": model_label,
+        "ignore_eos": config.ignore_eos,
         "repeats": config.repeats, "batch_invariant": config.batch_invariant, "llm_kwargs": kwargs,
         "environment_variables": request["environment"], "request_key": key,
         "prompt_token_ids": list(prompt_ids),
     }
     record = measured_record(
-        record_id=record_id(matrix, config, environment, seed), kind="engine-outcome", chapter=CHAPTER,
+        record_id=record_id(matrix, config, environment, seed, model_label), kind="engine-outcome", chapter=CHAPTER,
         title=f"vLLM {probe['vllm_version']} ({probe['platform']}): {config.id}, prompt seed {seed}",
         environment=environment,
         parameters=parameters, results=results, started_at=started_at, content_hash=content_hash,
         dtype=str(kwargs.get("dtype")))
+    if record["fingerprint"]["model_sha256"] is None:  # the label is not a path (a random-weight checkpoint's)
+        record["fingerprint"]["model_sha256"] = model_digest(kwargs["model"])
     engine_fingerprint(record, probe)
     return record
 
@@ -427,7 +433,7 @@ def run_matrix(matrix: Matrix, model: str, prompts: dict[int, list[int]], enviro
         slots.put(slot)
 
     def path_of(config: EngineConfig, seed: int) -> Path:
-        rid = record_id(matrix, config, environment, seed)
+        rid = record_id(matrix, config, environment, seed, model_label or model)
         return measured_path({"environments": [environment], "chapter": CHAPTER, "id": rid,
                               "fingerprint": {"host_id": host_id()}}, results_dir)
 

@@ -91,3 +91,15 @@ def test_parallel_and_engine_environment_overrides():
             matrix.with_parallel(bad)
     assert matrix.with_environment({"VLLM_USE_FLASHINFER_SAMPLER": 0}).environment["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
     read_matrix("incident").check_fits(5000, {"max_model_len": 8192})  # an engine argument can widen it
+
+
+def test_max_tokens_and_ignore_eos_reach_sampling_params_and_bad_values_are_refused():
+    matrix = read_matrix("incident").with_sampling(max_tokens=256, ignore_eos=True)
+    assert {c.sampling_kwargs()["max_tokens"] for c in matrix.configs} == {256}
+    assert all(c.sampling_kwargs()["ignore_eos"] is True for c in matrix.configs)
+    assert "ignore_eos" not in read_matrix("incident").configs[0].sampling_kwargs()  # vLLM's default unless asked
+    assert read_matrix("incident").with_sampling() == read_matrix("incident")
+    with pytest.raises(UsageError, match="max_tokens must be an integer"):
+        read_matrix("incident").with_sampling(max_tokens=0)
+    with pytest.raises(UsageError, match="ignore_eos must be true or false"):
+        read_matrix("incident").with_sampling(ignore_eos="yes")

@@ -86,3 +86,41 @@ def test_the_benchmark_refuses_bad_input_before_loading_anything():
     with pytest.raises(UsageError, match="unknown shape"):
         bench.run("organism", "cpu", ["float32"], ["verify-x"])
     assert bench.main(["--env", "no-such-env"]) == 2
+
+
+def test_a_shape_written_as_a_release_checkpoint_loads_with_the_same_weights(tiny_shape, tmp_path):
+    """The checkpoint the GPU run serves through vLLM: Qwen3.5's release layout (text and vision configs, a
+    tied head stored once, an MTP head under `mtp.*`), bf16, and transformers reads back exactly the weights
+    `build` makes, so its logits are identical."""
+    import json
+
+    import torch
+    from safetensors import safe_open
+
+    from spectie.margins import load_model
+
+    info = qwen_shapes.write_checkpoint(tiny_shape, str(tmp_path), seed=3)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5" and config["text_config"]["mtp_num_hidden_layers"] == 1
+    assert config["text_config"]["rope_parameters"]["mrope_section"] == [11, 11, 10]  # Qwen3.5's, for head_dim 256
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert {f.get_tensor(n).dtype for n in names} == {torch.bfloat16}
+    assert "lm_head.weight" not in names and "model.language_model.embed_tokens.weight" in names
+    assert "mtp.fc.weight" in names and "mtp.layers.0.self_attn.q_proj.weight" in names
+    assert any(n.startswith("model.visual.") for n in names)
+    assert qwen_shapes.model_label(str(tmp_path), str(tmp_path)) == info["label"]
+    assert qwen_shapes.is_random_weight_run({"parameters": {"model": info["label"]}})
+    assert not qwen_shapes.is_random_weight_run({"parameters": {"model": "organism"}})
+    loaded = load_model(str(tmp_path), "bfloat16", "cpu")
+    built = qwen_shapes.build(tiny_shape, "bfloat16", "cpu", 3, info["logit_scale"])
+    ids = torch.arange(100, 300)[None]
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, built(input_ids=ids).logits)
+        assert loaded(input_ids=ids).logits.float().std().item() == pytest.approx(3.0, rel=0.2)
+
+
+def test_an_unknown_shape_is_refused_before_a_checkpoint_is_written(tmp_path):
+    with pytest.raises(UsageError, match="unknown Qwen3.5 shape"):
+        qwen_shapes.write_checkpoint("qwen3.5-7b-shape", str(tmp_path / "x"))
+    assert not (tmp_path / "x").exists()

@@ -304,6 +304,37 @@ def test_real_vllm_cpu_plain_and_mtp_on_the_organism(tmp_path):
     assert result.verdict == expected, result.explanation
 
 
+@needs_vllm
+def test_real_vllm_cpu_serves_a_random_weight_checkpoint_to_max_tokens(tmp_path, monkeypatch):
+    """The random-weight path of the GPU chapter, on the CPU build: a Qwen3.5 shape written as a release
+    checkpoint loads in vLLM with its MTP head, `ignore_eos` runs every generation to max_tokens, and the
+    records name the checkpoint by shape and seed (not by its folder), in files of their own."""
+    from spectie import qwen_shapes
+    from spectie.fingerprint import model_digest
+
+    monkeypatch.setitem(qwen_shapes.SHAPES, "tiny-shape", dict(
+        num_hidden_layers=4, hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
+        linear_num_key_heads=2, linear_num_value_heads=2, tie_word_embeddings=True))
+    folder = str(tmp_path / "checkpoint")
+    qwen_shapes.write_checkpoint("tiny-shape", folder, seed=3, log=lambda *_: None)
+    matrix = read_matrix("cpu").select(["mtp-k3"]).with_repeats(1).with_sampling(max_tokens=16, ignore_eos=True)
+    probe = reproduce.probe_vllm("cpu")
+    reproduce.check_matrix(matrix, probe)
+    prompt = reproduce.build_prompt(folder, 1845, 0, "raw")
+    label = qwen_shapes.model_label("ignored", folder)
+    records = reproduce.run_matrix(matrix, folder, {0: list(prompt.token_ids)}, "cpu", probe, "0" * 64,
+                                   model_label=label, progress=False, results_dir=tmp_path / "results", log=print)
+    for record in records:
+        validate_record(record)
+        results = record["results"]
+        assert results["status"] == "ok" and results["runs_stopped"] == 0
+        assert [x["output_tokens"] for x in results["repeats"]] == [16]
+        assert record["parameters"]["model"] == label and record["parameters"]["ignore_eos"] is True
+        assert "tiny-shape-checkpoint-random-weight-shape-seed-3" in record["id"]
+        assert record["fingerprint"]["model_sha256"] == model_digest(folder)
+    assert records[1]["results"]["repeats"][0]["speculation"]["num_draft_tokens"] > 0  # the MTP head drafted
+
+
 def test_parting_text_places_each_divergence_against_the_designed_decision():
     from spectie.reproduction import parting_text
 
