@@ -33,6 +33,7 @@ from spectie.paths import project_root
 CHAPTER = "reproduce"
 TAIL_LINES = 30  # lines of the child's log kept in a record of a failed configuration
 OUT_OF_MEMORY = ("OutOfMemoryError", "MemoryError")
+ENGINE_CORE_FAILED = "Engine core initialization failed"  # all a caller sees of a failure in vLLM's engine process
 # vLLM's own words when it refuses a configuration while setting up the engine (seen in its 0.26-0.32
 # sources and records): only these make a configuration `unsupported`. Anything else is `crashed`.
 REFUSALS = (
@@ -248,19 +249,38 @@ def run_child(python: Path, request: dict, log_path: Path, on_event=lambda event
                          "reporting an error (killed, out of memory, or a crash in native code)",
                          "traceback_tail": []}
     if outcome.error is not None:
-        outcome.status = "unsupported" if is_refusal(outcome.error) else "crashed"
+        outcome.status = "unsupported" if is_refusal({**outcome.error, "log_tail": outcome.log_tail}) else "crashed"
     elif len(outcome.repeats) < request["repeats"] * len(request.get("prompts") or [None]):
         outcome.status = "crashed"
     return outcome
 
 
 def is_refusal(error: dict) -> bool:
-    """vLLM refused the configuration while setting up the engine, in one of its known refusal messages.
+    """vLLM refused the configuration while setting up the engine, in one of its known refusal messages:
+    the exception the caller saw, or, where that is only "Engine core initialization failed" (a GPU
+    engine's core runs in its own process), the one the engine process raised (its log's last lines).
     Failing later (while generating), dying, running out of memory, or any other exception (a harness
     error looks the same from here) is a crash, not a refusal."""
     if error["phase"] != "engine" or error["type"] in OUT_OF_MEMORY or error["type"].startswith("exit status"):
         return False
-    return any(re.search(pattern, error.get("message") or "", re.IGNORECASE) for pattern in REFUSALS)
+    message = error.get("message") or ""
+    if ENGINE_CORE_FAILED in message:
+        cause = root_cause(error)
+        if cause is None or cause.split(":")[0].rsplit(".", 1)[-1] in OUT_OF_MEMORY:
+            return False
+        message = cause
+    return any(re.search(pattern, message, re.IGNORECASE) for pattern in REFUSALS)
+
+
+ROOT_CAUSE = re.compile(r"^(?:\(EngineCore[^)]*\)\s*)?((?:\w+\.)*\w*(?:Error|Exception)): (.+)$")
+
+
+def root_cause(error: dict) -> str | None:
+    """The exception that the engine's own process raised, from the engine log's last lines ("Engine core
+    initialization failed" is only what the caller saw), or None if the log names none."""
+    causes = [f"{m[1]}: {m[2].strip()}" for m in map(ROOT_CAUSE.match, error.get("log_tail") or []) if m]
+    causes = [c for c in causes if c != f"{error.get('type')}: {(error.get('message') or '').strip()}"]
+    return causes[-1] if causes else None
 
 
 # ---------------------------------------------------------------------------------------- results

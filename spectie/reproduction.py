@@ -14,6 +14,7 @@ import pandas as pd
 from spectie.environments import load_environments
 from spectie.incident import configuration_label, environment_label, outcome_label
 from spectie.records import model_name
+from spectie.reproduce import root_cause
 
 STATUS_COLOURS = {"unsupported": "#dddddd", "crashed": "#b0b0b0", "interrupted": "#eeeeee"}
 
@@ -87,17 +88,6 @@ def runs_table(records: list[dict]) -> pd.DataFrame:
             "record": r["id"],
         })
     return pd.DataFrame(rows)
-
-
-ROOT_CAUSE = re.compile(r"^(?:\(EngineCore[^)]*\)\s*)?((?:\w+\.)*\w*(?:Error|Exception)): (.+)$")
-
-
-def root_cause(error: dict) -> str | None:
-    """The exception that the engine's own process raised, from the engine log's last lines ("Engine core
-    initialization failed" is only what the caller saw), or None if the log names none."""
-    causes = [f"{m[1]}: {m[2].strip()}" for m in map(ROOT_CAUSE.match, error.get("log_tail") or []) if m]
-    causes = [c for c in causes if c != f"{error.get('type')}: {(error.get('message') or '').strip()}"]
-    return causes[-1] if causes else None
 
 
 def error_lines(record: dict, lines: int = 6) -> str:

@@ -144,6 +144,10 @@ def test_fake_engine_outcomes_become_valid_records(tmp_path, fake_engine, fake_m
     assert by_id["known-refusal"]["status"] == "unsupported" and by_id["known-refusal"]["as_expected"] is True
 
 
+WRAPPED = {"phase": "engine", "type": "RuntimeError",
+           "message": "Engine core initialization failed. See root cause above. Failed core proc(s): {}"}
+
+
 @pytest.mark.parametrize("error, refusal", [
     ({"phase": "engine", "type": "RuntimeError", "message": "VLLM batch_invariant mode is not supported for GDN_ATTN."},
      True),
@@ -152,6 +156,15 @@ def test_fake_engine_outcomes_become_valid_records(tmp_path, fake_engine, fake_m
     ({"phase": "engine", "type": "OutOfMemoryError", "message": "CUDA out of memory; not supported"}, False),
     ({"phase": "generate", "type": "RuntimeError", "message": "op not supported"}, False),
     ({"phase": "import", "type": "ModuleNotFoundError", "message": "No module named 'flashinfer'"}, False),
+    # A GPU engine's core runs in its own process: the caller sees only "Engine core initialization failed";
+    # the refusal is in the engine log (as recorded on the H200 with vLLM 0.26.0).
+    ({**WRAPPED, "log_tail": ["(EngineCore pid=3057)     raise RuntimeError(",
+                              "(EngineCore pid=3057) RuntimeError: VLLM batch_invariant mode is not supported for GDN_ATTN.",
+                              "[rank0]:[W1204 13:54:11] Warning: destroy_process_group() was not called"]}, True),
+    ({**WRAPPED, "log_tail": ["(EngineCore pid=1) ValueError: Free memory on device cuda:0 (110.93/139.8 GiB) on startup "
+                              "is less than desired GPU memory utilization (0.92, 128.62 GiB)"]}, False),
+    ({**WRAPPED, "log_tail": ["(EngineCore pid=1) torch.OutOfMemoryError: CUDA out of memory; not supported"]}, False),
+    ({**WRAPPED, "log_tail": []}, False),  # no cause in the log: not known to be a refusal
 ])
 def test_only_vllms_refusal_messages_make_a_configuration_unsupported(error, refusal):
     assert reproduce.is_refusal(error) is refusal
