@@ -11,6 +11,7 @@ import re
 import matplotlib.pyplot as plt
 import pandas as pd
 
+from spectie import qwen_shapes
 from spectie.environments import load_environments
 from spectie.incident import configuration_label, environment_label, outcome_label
 from spectie.records import model_name
@@ -239,8 +240,9 @@ def prompt_seed(record: dict) -> int:
 
 
 def run_key(record: dict) -> tuple:
-    """Which matrix run a record belongs to: environment, host, matrix."""
-    return record["environments"][0], record["fingerprint"]["host_id"], record["parameters"]["matrix"]
+    """Which matrix run a record belongs to: environment, host, matrix, model."""
+    return (record["environments"][0], record["fingerprint"]["host_id"], record["parameters"]["matrix"],
+            record["parameters"]["model"])
 
 
 def first_prompt(records: list[dict]) -> list[dict]:
@@ -295,26 +297,76 @@ def seeds_rows(records: list[dict], baseline: str | None) -> list[dict]:
     return rows
 
 
-def seeds_text(records: list[dict], baseline: str | None, decisive_output_token: int) -> str:
+def parting_plot(records: list[dict], baseline: str | None, decisive_output_token: int | None, title: str):
+    """Where each configuration first parts from the baseline, one dot per prompt: the first output token
+    (any repeat) that differs; a hollow dot at the right edge where every repeat wrote the baseline's tokens
+    to the end. A dashed line marks the designed decision, where the model has one."""
+    base = {prompt_seed(r) for r in records if r["parameters"]["configuration"] == baseline and r["results"]["repeats"]}
+    configs: dict[str, list[dict]] = {}
+    for r in sorted(records, key=lambda r: r["parameters"]["configuration"]):
+        if r["parameters"]["configuration"] != baseline:
+            configs.setdefault(r["parameters"]["configuration"], []).append(r)
+    longest = max((x["output_tokens"] for r in records for x in r["results"]["repeats"]), default=1)
+    fig, ax = plt.subplots(figsize=(9, 0.35 * len(configs) + 1.4))
+    for row, (name, runs) in enumerate(configs.items()):
+        ran = [r for r in runs if r["results"]["repeats"] and prompt_seed(r) in base]
+        parted = [min(x["first_divergence"] for x in r["results"]["repeats"] if x["first_divergence"] is not None) + 1
+                  for r in ran if any(x["first_divergence"] is not None for x in r["results"]["repeats"])]
+        ax.scatter(parted, [row] * len(parted), color="#c0392b", s=22, zorder=3,
+                   label="parts from the baseline here (one prompt)" if row == 0 else None)
+        same = len(ran) - len(parted)
+        if same:
+            ax.scatter([longest], [row], facecolor="white", edgecolor="#2e7d32", s=40, zorder=3)
+            ax.annotate(f"{same}× same to the end", (longest, row), xytext=(6, -3), textcoords="offset points", fontsize=7)
+        if not ran:
+            ax.text(1, row, "no generation recorded (" + ", ".join(sorted({r["results"]["status"] for r in runs})) + ")",
+                    va="center", fontsize=7, color="#666666")
+    if decisive_output_token is not None:
+        ax.axvline(decisive_output_token, color="black", linestyle="--", linewidth=0.8, label="designed decision")
+    ax.set_yticks(range(len(configs)), list(configs), fontsize=8)
+    ax.set_ylim(len(configs) - 0.5, -0.5)
+    ax.set_xlim(0, longest * 1.25)
+    ax.set_xlabel(f"output token where the configuration first parts from {baseline} (hollow: never, through "
+                  f"{longest} tokens)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+def seeds_text(records: list[dict], baseline: str | None, decisive_output_token: int | None) -> str:
     """The across-prompts finding in words: how many speculative configurations part from the baseline
-    on how many prompts, where against the designed decision, and whether any stop moved."""
+    on how many prompts, where (against the designed decision, if the model has one: None for random
+    weights), whether any stop moved, and how the configurations without speculation fared."""
+    methods = {r["parameters"]["configuration"]: r["parameters"].get("method") for r in records}
     rows = [r for r in seeds_rows(records, baseline) if r["configuration"] != baseline and r["prompts"]]
+    plain_rows = [r for r in rows if methods.get(r["configuration"]) == "none"]
+    rows = [r for r in rows if methods.get(r["configuration"]) != "none"]
     seeds = sorted({prompt_seed(r) for r in records})
     if not rows:
-        return f"no speculative configuration ran on the {len(seeds)} prompt{'s' if len(seeds) != 1 else ''}"
-    parted = [r for r in rows if not r["parts from the baseline"].startswith("0/")]
-    where = sorted({int(p) for r in parted for p in r["where (output token)"].split(", ")})
-    at_decision = sum(p == decisive_output_token for p in where)
-    moved = [r for r in rows if r["stop moved"] != "never"]
-    text = (f"{len(rows)} speculative configuration{'s' if len(rows) != 1 else ''} ran on {len(seeds)} "
-            f"prompt{'s' if len(seeds) != 1 else ''}; "
-            f"{len(parted)} of them wrote something other than {baseline} on at least one prompt")
-    if where:
-        text += (f", first parting at output token{'s' if len(where) > 1 else ''} {', '.join(map(str, where))}"
-                 f" ({'including' if at_decision else 'never at'} the designed decision, output token "
-                 f"{decisive_output_token})")
-    text += "; " + (f"the stop moved for {len(moved)} of them ({'; '.join(r['configuration'] + ': ' + r['stop moved'] for r in moved)})"
-                    if moved else f"no configuration stopped anywhere other than where {baseline} did")
+        text = f"no speculative configuration ran on the {len(seeds)} prompt{'s' if len(seeds) != 1 else ''}"
+    else:
+        parted = [r for r in rows if not r["parts from the baseline"].startswith("0/")]
+        where = sorted({int(p) for r in parted for p in r["where (output token)"].split(", ")})
+        moved = [r for r in rows if r["stop moved"] != "never"]
+        text = (f"{len(rows)} speculative configuration{'s' if len(rows) != 1 else ''} ran on {len(seeds)} "
+                f"prompt{'s' if len(seeds) != 1 else ''}; "
+                f"{len(parted)} of them wrote something other than {baseline} on at least one prompt")
+        if where:
+            text += f", first parting at output token{'s' if len(where) > 1 else ''} {', '.join(map(str, where))}"
+            if decisive_output_token is not None:
+                at_decision = decisive_output_token in where
+                text += (f" ({'including' if at_decision else 'never at'} the designed decision, output token "
+                         f"{decisive_output_token})")
+        text += "; " + (f"the stop moved for {len(moved)} of them "
+                        f"({'; '.join(r['configuration'] + ': ' + r['stop moved'] for r in moved)})"
+                        if moved else f"no configuration stopped anywhere other than where {baseline} did")
+    for r in plain_rows:
+        where = r["where (output token)"]
+        text += (f"; without speculation, {r['configuration']} parts from {baseline} on {r['parts from the baseline']}"
+                 f" prompts" + (f" (first at output token{'s' if ',' in where else ''} {where})" if where != "—" else ""))
     return text
 
 
@@ -356,11 +408,19 @@ def run_summary(records: list[dict], decisive_output_token: int, pieces) -> str:
     if partial:
         text += " (A name with a count recorded only that many of its generations.)"
     unexpected = [f"{name} (expected {runs[0]['results']['expected']})" for name, runs in configs.items()
-                  if any(r["results"].get("as_expected") is False for r in runs)]
+                  if any(r["results"].get("as_expected") is False and r["results"]["status"] != "interrupted"
+                         for r in runs)]  # an interrupted run is unfinished, not a surprise
     if unexpected:
         text += f" Not as the matrix expected: {', '.join(unexpected)}."
     for cause, names in causes.values():
         text += f" The engine's own error of {', '.join(names)}: \"{cause}\"."
+    if qwen_shapes.is_random_weight_run(records[0]):
+        asked = sorted({r["parameters"]["max_tokens"] for r in records})
+        text += (" Random weights: the prompt's designed decision means nothing to this model, and every "
+                 "generation was asked for " + " or ".join(map(str, asked)) + " tokens"
+                 + (" whatever the model wrote (ignore_eos)" if all(r["parameters"].get("ignore_eos") for r in records)
+                    else "") + ".")
+        return f"{text} Across prompts: {seeds_text(records, baseline, None)}."
     return (f"{text} At the designed decision (output token {decisive_output_token}) of the first prompt: "
             f"{decision_text(first_prompt(records), decisive_output_token, pieces)}. Across prompts: "
             f"{seeds_text(records, baseline, decisive_output_token)}.")

@@ -395,8 +395,8 @@ def test_across_prompts_counts_parting_and_moved_stops_per_configuration():
     def record(name, seed, divergence, tokens, finish="length", status="ok"):
         repeats = [{"first_divergence": divergence, "output_tokens": tokens, "finish_reason": finish}]
         return {"environments": ["e"], "fingerprint": {"host_id": "h"},
-                "parameters": {"configuration": name, "method": "none" if name == "plain" else "mtp",
-                               "prompt_seed": seed, "matrix": "m"},
+                "parameters": {"configuration": name, "method": "none" if name.startswith("plain") else "mtp",
+                               "prompt_seed": seed, "matrix": "m", "model": "organism"},
                 "results": {"status": status, "repeats": repeats if status == "ok" else []}}
 
     records = [record("plain", 0, None, 96), record("plain", 1, None, 40, "stop"),
@@ -418,6 +418,37 @@ def test_across_prompts_counts_parting_and_moved_stops_per_configuration():
                                              "other than plain on at least one prompt; no configuration stopped "
                                              "anywhere other than where plain did")
     assert [r["parameters"]["prompt_seed"] for r in first_prompt(records)] == [0] * 4
+    # A configuration without speculation (plain without prefix caching) is told apart, not counted as speculative.
+    no_cache = [record("plain-no-prefix-cache", 0, 4, 96), record("plain-no-prefix-cache", 1, None, 40, "stop")]
+    text = seeds_text(records + no_cache, "plain", 12)
+    assert text.startswith("2 speculative configurations ran on 2 prompts;")
+    assert text.endswith("; without speculation, plain-no-prefix-cache parts from plain on 1/2 prompts (first at "
+                         "output token 5)")
+    assert "designed decision" not in seeds_text(records, "plain", None)  # random weights have none
+
+
+def test_a_random_weight_run_is_summarised_without_a_designed_decision():
+    from spectie.reproduction import first_prompt, run_summary
+
+    def record(name, method, seed, divergence, model="tiny-shape checkpoint (random-weight shape, seed 0)"):
+        repeats = [{"first_divergence": divergence, "output_tokens": 256, "finish_reason": "length",
+                    "token_ids": [1] * 256, "top2_margins": [0.1] * 256}]
+        return {"environments": ["e"], "fingerprint": {"host_id": "h"},
+                "parameters": {"configuration": name, "method": method, "prompt_seed": seed, "matrix": "m",
+                               "baseline": "plain", "repeats": 1, "model": model, "max_tokens": 256,
+                               "ignore_eos": True},
+                "results": {"status": "ok", "runs_total": 1, "repeats": repeats}}
+
+    runs = [record("plain", "none", 0, None), record("plain", "none", 1, None), record("mtp", "mtp", 0, 9),
+            record("mtp", "mtp", 1, None)]
+    text = run_summary(runs, 12, lambda ids: [])
+    assert "designed decision means nothing to this model" in text and "asked for 256 tokens whatever" in text
+    assert text.endswith("Across prompts: 1 speculative configuration ran on 2 prompts; 1 of them wrote something "
+                         "other than plain on at least one prompt, first parting at output token 10; no configuration "
+                         "stopped anywhere other than where plain did.")
+    # Runs of two models in one environment on one host are two runs: each keeps its own first prompt.
+    organism = [{**r, "parameters": {**r["parameters"], "model": "organism", "prompt_seed": 5}} for r in runs[:1]]
+    assert len(first_prompt(runs + organism)) == 3
 
 
 def test_run_summary_says_what_a_host_recorded_with_its_statuses():
@@ -428,7 +459,7 @@ def test_run_summary_says_what_a_host_recorded_with_its_statuses():
                     "token_ids": ids, "top2_margins": [0.5, 0.0]}] * recorded
         return {"environments": ["e"], "fingerprint": {"host_id": "h"},
                 "parameters": {"configuration": "plain", "method": "none", "prompt_seed": seed, "matrix": "m",
-                               "baseline": "plain", "repeats": 10},
+                               "baseline": "plain", "repeats": 10, "model": "organism"},
                 "results": {"status": status, "runs_total": recorded, "repeats": repeats}}
 
     pieces = lambda ids: [{7: "DATA"}.get(i, "x") for i in ids]
@@ -451,7 +482,7 @@ def test_a_crash_is_told_by_the_engine_logs_root_cause():
     assert root_cause({**error, "log_tail": error["log_tail"][2:]}) is None  # only the caller's own error
     record = {"environments": ["e"], "fingerprint": {"host_id": "h"},
               "parameters": {"configuration": "mtp", "method": "mtp", "prompt_seed": 0, "matrix": "m",
-                             "baseline": "plain", "repeats": 10},
+                             "baseline": "plain", "repeats": 10, "model": "organism"},
               "results": {"status": "crashed", "runs_total": 0, "repeats": [], "error": error, "expected": "refused",
                           "as_expected": False}}
     other = {**record, "parameters": {**record["parameters"], "configuration": "ngram"}}
@@ -490,3 +521,24 @@ def test_one_run_never_mixes_hosts_or_prompts():
     assert [r["id"] for r in one_run(records[:1] + records[3:], "cpu")] == ["cpu-other-0"]
     assert [r["id"] for r in one_run(records, "v0.26.0-h200")] == ["v0.26.0-h200-h200-0"]
     assert one_run(records, "nowhere") == []
+
+
+def test_the_parting_plot_puts_one_dot_per_prompt_where_it_first_parts():
+    from spectie.reproduction import parting_plot
+
+    def record(name, seed, divergences, status="ok"):
+        repeats = [{"first_divergence": d, "output_tokens": 96} for d in divergences]
+        return {"parameters": {"configuration": name, "prompt_seed": seed},
+                "results": {"status": status, "repeats": repeats}}
+
+    records = [record("plain", 0, [None]), record("plain", 1, [None]), record("mtp", 0, [None, 30]),
+               record("mtp", 1, [None]), record("ngram", 0, [4]), record("ngram", 1, [11]),
+               record("v2", 0, [], "unsupported"), record("v2", 1, [], "unsupported")]
+    fig = parting_plot(records, "plain", 12, "t")
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["mtp", "ngram", "v2"]
+    dots = [[tuple(p) for p in c.get_offsets()] for c in ax.collections]
+    assert dots[0] == [(31, 0)] and (96, 0) in dots[1]  # mtp: one repeat parts at token 31, the other prompt never
+    assert dots[2] == [(5, 1), (12, 1)]  # ngram: output tokens 5 and 12 (1-based)
+    texts = [t.get_text() for t in ax.texts]
+    assert "1× same to the end" in texts and "no generation recorded (unsupported)" in texts
