@@ -330,7 +330,7 @@ def parting_plot(records: list[dict], baseline: str | None, decisive_output_toke
                   f"{longest} tokens)")
     ax.set_title(title, fontsize=9)
     ax.grid(axis="x", alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: never over a dot
     fig.tight_layout()
     plt.close(fig)
     return fig
