@@ -285,11 +285,7 @@ def export(model, used: list[int], out_dir: Path, tokenizer_src: Path, metadata:
     """Write the checkpoint as Qwen3.5 releases are written: full-vocabulary weights (trained rows in place,
     every other row zero) named `model.language_model.*` and `lm_head.*`, the MTP head as `mtp.*`, and an
     untrained vision tower as `model.visual.*`."""
-    import shutil
-
     import torch
-    from safetensors.torch import save_file
-    from transformers import GenerationConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 
     config = release_config()
@@ -305,16 +301,27 @@ def export(model, used: list[int], out_dir: Path, tokenizer_src: Path, metadata:
     vision = Qwen3_5VisionModel._from_config(config.vision_config, dtype=torch.float32)
     weights.update({"model.visual." + k: v for k, v in vision.state_dict().items()})
     weights.update(mtp.state_dict())
+    write_release(weights, config, out_dir, tokenizer_src, torch.float32)
+    (out_dir / "organism.json").write_text(json.dumps(metadata, indent=2) + "\n")
+    return out_dir
+
+
+def write_release(weights: dict, config, out_dir: Path, tokenizer_src: Path, dtype) -> None:
+    """The files of a Qwen3.5 release checkpoint: the weights (one safetensors file, in `dtype`), the
+    config, the generation config and the tokenizer (copied from `tokenizer_src`)."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: weights[k].detach().float().contiguous() for k in sorted(weights)},
+    save_file({k: weights[k].detach().to("cpu", dtype).contiguous() for k in sorted(weights)},
               str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(str(out_dir))
     GenerationConfig(eos_token_id=[248044, 248046], pad_token_id=248044, do_sample=False).save_pretrained(str(out_dir))
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (tokenizer_src / name).exists():
             shutil.copy2(tokenizer_src / name, out_dir / name)
-    (out_dir / "organism.json").write_text(json.dumps(metadata, indent=2) + "\n")
-    return out_dir
 
 
 # ------------------------------------------------------------------------------ the pinned organism

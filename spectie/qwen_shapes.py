@@ -223,15 +223,13 @@ def write_checkpoint(name: str, out_dir: str, seed: int = 0, logit_std: float = 
     spread `logit_std`, calibrated on the incident's prompt (seed 0). Returns what it wrote (also saved
     as random_weights.json)."""
     import json
-    import shutil
     from pathlib import Path
 
     import torch
-    from safetensors.torch import save_file
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import AutoTokenizer
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 
-    from spectie.organism import organism_dir
+    from spectie.organism import organism_dir, write_release
     from spectie.prompts import PromptSpec, build_prompt
 
     release = release_config(name)  # an unknown shape fails here, before anything is built
@@ -254,14 +252,7 @@ def write_checkpoint(name: str, out_dir: str, seed: int = 0, logit_std: float = 
     torch.manual_seed(seed + 2)
     vision = Qwen3_5VisionModel._from_config(release.vision_config, dtype=torch.bfloat16)
     weights.update({"model.visual." + k: v for k, v in vision.state_dict().items()})
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: weights[k].detach().to("cpu", torch.bfloat16).contiguous() for k in sorted(weights)},
-              str(out / "model.safetensors"), metadata={"format": "pt"})
-    release.save_pretrained(str(out))
-    GenerationConfig(eos_token_id=[248044, 248046], pad_token_id=248044, do_sample=False).save_pretrained(str(out))
-    for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (tokenizer_src / file).exists():
-            shutil.copy2(tokenizer_src / file, out / file)
+    write_release(weights, release, out, tokenizer_src, torch.bfloat16)
     info = {"shape": name, "seed": seed, "logit_std": logit_std, "logit_scale": scale, "weights": LABEL,
             "label": checkpoint_label(name, seed), "parameters": parameter_count(name), "written_on": device}
     (out / CHECKPOINT_INFO).write_text(json.dumps(info, indent=2) + "\n")
