@@ -170,6 +170,34 @@ def _cmd_classify(args) -> int:
     return 1 if args.fail_on_bug and result.verdict == divergence.SUSPECTED_BUG else 0
 
 
+def _cmd_fixes(args) -> int:
+    import json
+
+    from spectie import fixes
+    from spectie.records import load_records
+
+    records = load_records(kind="fix-ledger")
+    if not records:
+        raise UsageError("no fix-ledger record under results/: run `python -m spectie.fixes record`")
+    record = max(records, key=lambda r: r["started_at"])
+    version, distribution = (args.vllm, "vllm") if args.vllm else fixes.installed_version()
+    if not version:
+        raise UsageError("no vLLM is installed here: give the version to check with --vllm X.Y.Z")
+    rows = fixes.fixes_for(record, version)
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    print(f"vLLM {version} (ledger of the official wheels {record['parameters']['releases'][0]} to "
+          f"{record['parameters']['releases'][-1]}, read {record['started_at'][:10]}):")
+    if distribution != "vllm":
+        print(f"  (installed here: {distribution}, a community build; the ledger read the official wheels' source)")
+    for row in rows:
+        print(f"  {row['fix']}: {row['this release']} (first release with it: {row['first release with it']})")
+        if row["failure"]:
+            print(f"      {row['failure']}")
+    return 0
+
+
 def _key_value(text: str) -> tuple[str, object]:
     import yaml
 
@@ -240,6 +268,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="the verdict as one JSON object")
     p.add_argument("--fail-on-bug", action="store_true", help="exit 1 on a suspected correctness bug")
     p.set_defaults(func=_cmd_classify)
+
+    p = sub.add_parser("fixes", help="which public fixes a vLLM release carries (the fix ledger)",
+                       description="Which public fixes for GDN state and speculative-decoding failures a vLLM release "
+                                   "carries, as read from the released wheels' source (sources/fix_ledger.md).")
+    p.add_argument("--vllm", help="a vLLM version (default: the one installed here)")
+    p.add_argument("--json", action="store_true", help="the rows as one JSON list")
+    p.set_defaults(func=_cmd_fixes)
 
     p = sub.add_parser("list", help="list chapters and environments")
     p.set_defaults(func=_cmd_list)

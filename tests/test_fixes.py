@@ -1,0 +1,63 @@
+"""The fix ledger as a record, and what it says of one vLLM release (spectie fixes)."""
+
+import json
+
+import pytest
+
+from spectie import fixes
+from spectie.cli import main
+from spectie.errors import UsageError
+from spectie.records import load_records, validate_record
+
+
+def ledger_like(per_release: dict[str, dict[str, str]], first: dict[str, str | None]) -> dict:
+    """A record shaped like the ledger's, for fixes -> {release: verdict}."""
+    releases = sorted({r for verdicts in per_release.values() for r in verdicts})
+    return {"parameters": {"releases": releases},
+            "results": {"fixes": [{"fix": name, "failure": fixes.failure_of(name), "title": name,
+                                   "per_release": verdicts, "first_release": first[name]}
+                                  for name, verdicts in per_release.items()]}}
+
+
+def test_the_committed_record_is_the_committed_ledger():
+    """The record the book shows was made from sources/fix_ledger.json as it is now (same digest, same
+    verdicts): re-running the ledger script means re-running `python -m spectie.fixes record`."""
+    [record] = load_records(kind="fix-ledger")
+    fresh = fixes.ledger_record()
+    validate_record(fresh)
+    assert record["parameters"] == fresh["parameters"]
+    assert record["results"] == fresh["results"]
+    ledger = fixes.read_ledger()
+    assert {f["fix"]: f["first_release"] for f in record["results"]["fixes"]} == {
+        name: summary["first_release_with_fix"] for name, summary in ledger["summary"].items()}
+
+
+def test_a_release_is_told_which_fixes_it_has_lacks_or_cannot_tell():
+    record = ledger_like({"51812": {"0.27.0": "absent", "0.28.0": "present"},
+                          "39273 / PR 52942": {"0.27.0": "absent", "0.28.0": "unknown"},
+                          "41467": {"0.27.0": "unknown", "0.28.0": "mixed"}},
+                         {"51812": "0.28.0", "39273 / PR 52942": None, "41467": None})
+    said = {r["fix"]: r["this release"] for r in fixes.fixes_for(record, "0.28.0+cpu")}
+    assert said == {"51812": "has it", "39273 / PR 52942": fixes.VERDICTS["unknown"],
+                    "41467": fixes.VERDICTS["mixed"]}
+    assert fixes.fixes_for(record, "0.27.0")[0]["this release"] == "lacks it"
+    newer = {r["fix"]: r["this release"] for r in fixes.fixes_for(record, "0.30.1")}
+    assert newer["51812"] == "not checked (0.30.1 is newer than the ledger; 0.28.0 and later had it)"
+    assert newer["41467"] == "not checked (the ledger read 0.27.0 to 0.28.0)"
+    assert fixes.fixes_for(record, "0.26.0")[0]["this release"].startswith("not checked (the ledger read")
+    assert fixes.releases_text(record, ["0.27.0", "0.28.0"]) == (
+        "vLLM 0.27.0 has none of them; lacks 51812, 39273 / PR 52942; cannot tell for 1; "
+        "vLLM 0.28.0 has 51812; lacks none; cannot tell for 2")
+    for bad in ("abc", "0.32", ""):
+        with pytest.raises(UsageError, match="not a vLLM release version"):
+            fixes.fixes_for(record, bad)
+
+
+def test_the_cli_reads_the_recorded_ledger_for_a_given_release(capsys):
+    assert main(["fixes", "--vllm", "0.31.0", "--json"]) == 0
+    rows = {r["fix"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["51812"]["this release"] == "has it" and rows["51812"]["first release with it"] == "0.28.0"
+    assert rows["39273 / PR 40738"]["this release"] == "lacks it"
+    assert rows["41467"]["this release"].startswith("cannot tell")
+    assert main(["fixes", "--vllm", "nightly"]) == 2
+    assert "not a vLLM release version" in capsys.readouterr().err
