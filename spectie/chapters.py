@@ -47,7 +47,7 @@ CHAPTERS = {
         Chapter("guidance", "notebooks/guidance.ipynb",
                 ("artifacts/organism/*.json", "artifacts/organism/*.safetensors", "results/reported/**/*.json",
                  "results/measured/*/reproduce/*.json", "results/measured/*/margins/*.json",
-                 "results/measured/*/reduction_order/*.json", "results/measured/*/fix_ledger/*.json",
+                 "results/measured/*/reduction_order/*.json", "sources/fix_ledger.json",
                  "environments/*.yaml"),
                 "Guidance for operators: each workaround against the records, the tie-stop detector and the "
                 "divergence classifier on the recorded runs, a decision path"),

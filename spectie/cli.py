@@ -174,12 +174,8 @@ def _cmd_fixes(args) -> int:
     import json
 
     from spectie import fixes
-    from spectie.records import load_records
 
-    records = load_records(kind="fix-ledger")
-    if not records:
-        raise UsageError("no fix-ledger record under results/: run `python -m spectie.fixes record`")
-    record = max(records, key=lambda r: r["started_at"])
+    record = fixes.ensure_record()
     version, distribution = (args.vllm, "vllm") if args.vllm else fixes.installed_version()
     if not version:
         raise UsageError("no vLLM is installed here: give the version to check with --vllm X.Y.Z")

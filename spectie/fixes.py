@@ -5,11 +5,11 @@ misaligned in mixed batches, premature end-of-text under MTP load).
 The evidence is `scripts/fix_ledger.py`: it downloads each released vLLM wheel (`pip download --no-deps
 vllm==X`), reads the Python source the fix changes and checks markers of the fix's code
 (sources/fix_ledger.md says which threads were read, each marker and why). Its output,
-`sources/fix_ledger.json`, becomes one measured record (`python -m spectie.fixes record`), which the
-guidance chapter shows and `spectie fixes` reads for the installed vLLM.
+`sources/fix_ledger.json`, is committed; it becomes one measured record on each machine (written when
+missing or made from another ledger), which the guidance chapter shows and `spectie fixes` reads.
 
-    python -m spectie.fixes record          # sources/fix_ledger.json -> results/measured/cpu-<host>/fix_ledger/
-    python -m spectie fixes [--vllm 0.32.0] # which fixes that release carries (default: the installed vLLM)
+    python3 scripts/fix_ledger.py sources/fix_ledger.json   # re-read the wheels (downloads 9 of them)
+    python -m spectie fixes [--vllm 0.32.0]                  # which fixes that release carries
 """
 
 from __future__ import annotations
@@ -146,22 +146,19 @@ def installed_version() -> tuple[str | None, str | None]:
     return None, None
 
 
-def main(argv: list[str] | None = None) -> int:
-    """python -m spectie.fixes record [--ledger sources/fix_ledger.json]"""
-    import argparse
+def ensure_record(results_dir: str | Path | None = None) -> dict:
+    """The ledger's record on this machine: the one under results/ if it was made from the committed ledger
+    as it is now (same sha256), else a new one, written there."""
+    from spectie.records import RecordError, measured_path, read_record, write_record
 
-    from spectie.records import measured_path, write_record
-
-    parser = argparse.ArgumentParser(prog="python -m spectie.fixes", description=main.__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("record", help="write the fix ledger's output as a measured record")
-    p.add_argument("--ledger", default=None)
-    args = parser.parse_args(argv)
-    record = ledger_record(args.ledger)
-    path = write_record(record, measured_path(record))
-    print(f"fix ledger record: {path}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    record = ledger_record()
+    path = measured_path(record, results_dir)
+    if path.is_file():
+        try:
+            existing = read_record(path)
+        except RecordError:
+            existing = None
+        if existing and existing["parameters"]["source_sha256"] == record["parameters"]["source_sha256"]:
+            return existing
+    write_record(record, path)
+    return record

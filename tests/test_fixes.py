@@ -7,7 +7,7 @@ import pytest
 from spectie import fixes
 from spectie.cli import main
 from spectie.errors import UsageError
-from spectie.records import load_records, validate_record
+from spectie.records import validate_record
 
 
 def ledger_like(per_release: dict[str, dict[str, str]], first: dict[str, str | None]) -> dict:
@@ -19,17 +19,24 @@ def ledger_like(per_release: dict[str, dict[str, str]], first: dict[str, str | N
                                   for name, verdicts in per_release.items()]}}
 
 
-def test_the_committed_record_is_the_committed_ledger():
-    """The record the book shows was made from sources/fix_ledger.json as it is now (same digest, same
-    verdicts): re-running the ledger script means re-running `python -m spectie.fixes record`."""
-    [record] = load_records(kind="fix-ledger")
-    fresh = fixes.ledger_record()
-    validate_record(fresh)
-    assert record["parameters"] == fresh["parameters"]
-    assert record["results"] == fresh["results"]
+def test_the_record_is_made_from_the_committed_ledger_and_remade_when_it_changes(tmp_path):
+    """The record the book shows holds the committed sources/fix_ledger.json's verdicts; it is written once
+    per machine and made again when the ledger is re-run (another sha256)."""
+    record = fixes.ensure_record(tmp_path)
+    validate_record(record)
     ledger = fixes.read_ledger()
     assert {f["fix"]: f["first_release"] for f in record["results"]["fixes"]} == {
         name: summary["first_release_with_fix"] for name, summary in ledger["summary"].items()}
+    assert {f["fix"]: f["per_release"] for f in record["results"]["fixes"]} == {
+        name: summary["per_release"] for name, summary in ledger["summary"].items()}
+    assert [r["version"] for r in record["results"]["releases"]] == ledger["releases_requested"]
+    [path] = tmp_path.rglob("*.json")
+    assert fixes.ensure_record(tmp_path) == record  # read back, not made again
+    stale = json.loads(path.read_text())
+    stale["parameters"]["source_sha256"] = "0" * 64
+    path.write_text(json.dumps(stale))
+    assert fixes.ensure_record(tmp_path)["parameters"]["source_sha256"] == record["parameters"]["source_sha256"]
+    assert json.loads(path.read_text())["parameters"]["source_sha256"] != "0" * 64
 
 
 def test_a_release_is_told_which_fixes_it_has_lacks_or_cannot_tell():
