@@ -167,31 +167,76 @@ def read_pair(path: str | Path) -> dict:
     return data
 
 
-def greedy_with_lost_state(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: list[int],
-                           corrupt_at: int) -> list[int]:
-    """A planted bug: greedy decoding one token per step in which, from output token `corrupt_at` on, every
-    GDN layer reads its recurrent state from an empty slot (zeros) instead of its own: the class of bug of
-    vLLM #39273 (a state read from the wrong slot). Returns the output token ids."""
+# Planted bugs, one per public class an operator must tell from a near-tie (greedy_with_bug):
+BUGS = {
+    "lost-state": "every GDN layer reads its recurrent state from an empty slot (zeros): the state read from "
+                  "the wrong slot of vLLM #39273",
+    "stale-state": "once, every GDN layer reads the recurrent state saved at the end of the prompt (block 0) "
+                   "instead of its last one: a state read from an earlier block (#39273's fixes)",
+    "conv-offset": "once, every GDN layer's convolution state is read one token off (rolled by one position)",
+    "gate-shift": "every GDN layer's gates (decay and beta) come from the previous token: gates misaligned by "
+                  "one token (#51812)",
+    "forced-eos": "end-of-text is written once whatever the model computes: a stop forced at a draft position "
+                  "(the premature end-of-text of #41467)",
+}
+
+
+def greedy_with_bug(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: list[int], bug: str,
+                    corrupt_at: int) -> list[int]:
+    """Greedy decoding one token per step with a planted bug of class `bug` (BUGS) from output token
+    `corrupt_at` on. Returns the output token ids."""
     import torch
 
+    if bug not in BUGS:
+        raise UsageError(f"unknown planted bug {bug!r}; valid: {', '.join(BUGS)}")
     if corrupt_at < 0:
         raise UsageError("corrupt_at is an output token index (>= 0)")
     device = next(model.parameters()).device
+    gdn = [m for m in model.modules() if hasattr(m, "in_proj_a") and hasattr(m, "in_proj_b")]
+    shifted = {"on": False, "last": {}}
+
+    def previous_gate(module, args, output):  # the gate of the token before, once the bug is on
+        previous = shifted["last"].get(module)
+        shifted["last"][module] = output[:, -1:].detach().clone()
+        return previous if shifted["on"] and previous is not None else output
+
+    hooks = [p.register_forward_hook(previous_gate) for m in gdn for p in (m.in_proj_a, m.in_proj_b)] \
+        if bug == "gate-shift" else []
     output = []
-    with torch.no_grad():
-        out = model(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True)
-        cache = out.past_key_values
-        for step in range(max_new_tokens):
-            token = int(out.logits[0, -1].argmax())
-            output.append(token)
-            if token in eos_ids:
-                break
-            if step >= corrupt_at:
-                for layer in cache.layers:
-                    if hasattr(layer, "recurrent_states"):  # GDN layers; attention layers keep their keys
+    try:
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True)
+            cache = out.past_key_values
+            layers = [layer for layer in cache.layers if hasattr(layer, "recurrent_states")]  # GDN layers
+            saved = [layer.recurrent_states[0].clone() for layer in layers]  # the state at the prompt's end
+            for step in range(max_new_tokens):
+                token = int(out.logits[0, -1].argmax())
+                if bug == "forced-eos" and step == corrupt_at:
+                    token = eos_ids[0]
+                output.append(token)
+                if token in eos_ids:
+                    break
+                if bug == "lost-state" and step >= corrupt_at:
+                    for layer in layers:
                         layer.recurrent_states[0].zero_()
-            out = model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache, use_cache=True)
+                elif bug == "stale-state" and step == corrupt_at:
+                    for layer, state in zip(layers, saved):
+                        layer.recurrent_states[0].copy_(state)
+                elif bug == "conv-offset" and step == corrupt_at:
+                    for layer in layers:
+                        layer.conv_states[0].copy_(layer.conv_states[0].roll(1, dims=-1))
+                shifted["on"] = step >= corrupt_at
+                out = model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache, use_cache=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
     return output
+
+
+def greedy_with_lost_state(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: list[int],
+                           corrupt_at: int) -> list[int]:
+    """The planted lost-state bug (BUGS["lost-state"])."""
+    return greedy_with_bug(model, prompt_ids, max_new_tokens, eos_ids, "lost-state", corrupt_at)
 
 
 def pair_from_records(record: dict, baseline: dict, repeat: int = 0) -> dict:

@@ -109,6 +109,16 @@ def fixes_for(record: dict, version: str) -> list[dict]:
     return rows
 
 
+def first_unknown(fix: dict) -> str:
+    """What the ledger says of a fix no release was seen to have: none of them, or which ones cannot tell."""
+    unsure = [release for release, verdict in fix["per_release"].items() if verdict in ("unknown", "mixed")]
+    if not unsure:
+        return "none of these"
+    if len(unsure) == len(fix["per_release"]):
+        return "unknown: no release's source can tell"
+    return f"none of those that can tell; {', '.join(unsure)} cannot tell"
+
+
 def ledger_table(record: dict):
     """Fix × release, one letter each (P present, A absent, ? unknown or mixed), and the first release."""
     import pandas as pd
@@ -118,7 +128,7 @@ def ledger_table(record: dict):
     for fix in record["results"]["fixes"]:
         row = {"fix": fix["fix"], "failure": fix["failure"]}
         row.update({release: letters[fix["per_release"][release]] for release in record["parameters"]["releases"]})
-        row["first release with it"] = fix["first_release"] or "none of these"
+        row["first release with it"] = fix["first_release"] or first_unknown(fix)
         rows.append(row)
     return pd.DataFrame(rows).set_index("fix")
 

@@ -68,3 +68,14 @@ def test_the_cli_reads_the_recorded_ledger_for_a_given_release(capsys):
     assert rows["41467"]["this release"].startswith("cannot tell")
     assert main(["fixes", "--vllm", "nightly"]) == 2
     assert "not a vLLM release version" in capsys.readouterr().err
+
+
+def test_the_table_says_none_only_where_every_release_could_tell():
+    record = ledger_like({"a": {"0.27.0": "absent", "0.28.0": "absent"}, "b": {"0.27.0": "absent", "0.28.0": "unknown"},
+                          "c": {"0.27.0": "unknown", "0.28.0": "unknown"}, "d": {"0.27.0": "absent", "0.28.0": "present"}},
+                         {"a": None, "b": None, "c": None, "d": "0.28.0"})
+    table = fixes.ledger_table(record)
+    assert table["first release with it"].to_dict() == {
+        "a": "none of these", "b": "none of those that can tell; 0.28.0 cannot tell",
+        "c": "unknown: no release's source can tell", "d": "0.28.0"}
+    assert table.loc["d", "0.27.0"] == "A" and table.loc["d", "0.28.0"] == "P" and table.loc["b", "0.28.0"] == "?"
