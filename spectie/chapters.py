@@ -48,7 +48,7 @@ CHAPTERS = {
                 ("artifacts/organism/*.json", "artifacts/organism/*.safetensors", "results/reported/**/*.json",
                  "results/measured/*/reproduce/*.json", "results/measured/*/margins/*.json",
                  "results/measured/*/reduction_order/*.json", "sources/fix_ledger.json",
-                 "environments/*.yaml"),
+                 "sources/classifier_cases.json", "environments/*.yaml"),
                 "Guidance for operators: each workaround against the records, the tie-stop detector and the "
                 "divergence classifier on the recorded runs, a decision path"),
         Chapter("environments", "notebooks/environments.ipynb", ("results/**/*.json", "environments/*.yaml"),

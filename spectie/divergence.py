@@ -171,8 +171,8 @@ def read_pair(path: str | Path) -> dict:
 BUGS = {
     "lost-state": "every GDN layer reads its recurrent state from an empty slot (zeros): the state read from "
                   "the wrong slot of vLLM #39273",
-    "stale-state": "once, every GDN layer reads the recurrent state saved at the end of the prompt (block 0) "
-                   "instead of its last one: a state read from an earlier block (#39273's fixes)",
+    "stale-state": "every GDN layer reads the recurrent state saved at the end of the prompt (block 0) instead "
+                   "of its last one: a state read from an earlier block (#39273's fixes)",
     "conv-offset": "once, every GDN layer's convolution state is read one token off (rolled by one position)",
     "gate-shift": "every GDN layer's gates (decay and beta) come from the previous token: gates misaligned by "
                   "one token (#51812)",
@@ -219,7 +219,7 @@ def greedy_with_bug(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: 
                 if bug == "lost-state" and step >= corrupt_at:
                     for layer in layers:
                         layer.recurrent_states[0].zero_()
-                elif bug == "stale-state" and step == corrupt_at:
+                elif bug == "stale-state" and step >= corrupt_at:
                     for layer, state in zip(layers, saved):
                         layer.recurrent_states[0].copy_(state)
                 elif bug == "conv-offset" and step == corrupt_at:
@@ -270,3 +270,138 @@ def baseline_record(record_path: str | Path) -> dict:
         if same_run and other["parameters"].get("configuration") == name:
             return other
     raise UsageError(f"no record of the baseline configuration {name!r} beside {record_path}")
+
+
+# ------------------------------------------------------------------------------ labelled cases
+CASES = "sources/classifier_cases.json"  # the labelled cases, built once on the organism and kept as data
+NEAR_TIE_LABEL, BUG_LABEL = "near-tie", "bug"
+CASE_SEEDS = (0, 1, 2)  # planted bugs
+TIE_SEEDS = tuple(range(8))  # designed ties
+CORRUPT_AT = (0, 14)  # the planted bug from the first output token on, or from output token 15 on
+CASE_TOKENS = 48
+
+
+def build_cases(model: str = "organism", seeds=CASE_SEEDS, new_tokens: int = CASE_TOKENS, tie_seeds=TIE_SEEDS,
+                log=print) -> list[dict]:
+    """Labelled divergences on the organism, each a prompt and two token sequences whose truth is known by
+    construction: near-ties (plain greedy against the same text taking the other side of the designed
+    end-of-text/DATA tie, on every seed of `tie_seeds`) and planted bugs of each class in BUGS (the buggy
+    decoder against plain greedy, where it changes the output, on every seed of `seeds`). Divergences of real
+    engines are not labelled: nobody knows their truth (recorded_pairs gives them, unlabelled)."""
+    from transformers import AutoTokenizer
+
+    from spectie.margins import end_of_text_ids, greedy_generate, load_model, reference_gdn_kernels, resolve_model
+    from spectie.prompts import PromptSpec, build_prompt
+    from spectie.reproduce import first_divergence
+
+    path = resolve_model(model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    eos = end_of_text_ids(path)
+    cases = []
+    with reference_gdn_kernels():
+        loaded = load_model(path, "bfloat16")
+        for seed in sorted(set(seeds) | set(tie_seeds)):
+            prompt = build_prompt(PromptSpec(tokens=1845, seed=seed), tokenizer)
+            ids = list(prompt.token_ids)
+            plain = greedy_generate(loaded, ids, new_tokens, eos).output_ids
+            decision = prompt.decisive_output_token - 1
+            other = eos[0] if plain[decision] != eos[0] else tokenizer.encode("DATA", add_special_tokens=False)[0]
+            cases.append({"name": f"designed tie, seed {seed}", "label": NEAR_TIE_LABEL, "class": "designed tie",
+                          "how": "plain greedy against the same text taking the other side of the designed "
+                                 "end-of-text/DATA tie (stop against continue)",
+                          "prompt_token_ids": ids, "a": plain[:decision] + [other], "b": plain})
+            for bug in BUGS if seed in seeds else ():
+                for at in CORRUPT_AT:
+                    buggy = greedy_with_bug(loaded, ids, new_tokens, eos, bug, at)
+                    where = first_divergence(buggy, plain)
+                    log(f"seed {seed}, {bug} from output token {at + 1}: "
+                        + ("no divergence" if where is None else f"parts at output token {where + 1}"))
+                    if where is not None:
+                        cases.append({"name": f"{bug} from token {at + 1}, seed {seed}", "label": BUG_LABEL,
+                                      "class": bug, "how": BUGS[bug], "prompt_token_ids": ids, "a": buggy, "b": plain})
+    return cases
+
+
+def recorded_pairs(records: list[dict]) -> list[dict]:
+    """Unlabelled divergences of real engines: each speculative run (first repeat) that parts from plain greedy
+    on its prompt, once per prompt and position, from reproduction records of one model and host."""
+    plain = {r["parameters"]["prompt_seed"]: r for r in records if r["parameters"]["method"] == "none"
+             and r["parameters"]["configuration"] == r["parameters"]["baseline"] and r["results"]["repeats"]}
+    pairs, seen = [], set()
+    for r in sorted(records, key=lambda r: (r["parameters"]["prompt_seed"], r["parameters"]["configuration"])):
+        seed = r["parameters"]["prompt_seed"]
+        repeat = (r["results"]["repeats"] or [{}])[0]
+        if r["parameters"]["method"] == "none" or seed not in plain or repeat.get("first_divergence") is None:
+            continue
+        if (seed, repeat["first_divergence"]) in seen:
+            continue
+        seen.add((seed, repeat["first_divergence"]))
+        pairs.append({"name": f"{r['parameters']['configuration']} vs plain, seed {seed}",
+                      "class": r["parameters"]["method"], "prompt_token_ids": r["parameters"]["prompt_token_ids"],
+                      "a": repeat["token_ids"], "b": plain[seed]["results"]["repeats"][0]["token_ids"]})
+    return pairs
+
+
+def write_cases(path: str | Path | None = None, log=print) -> Path:
+    """Build the labelled cases and keep them as data (with the weights they were built on)."""
+    from spectie.fingerprint import model_digest
+    from spectie.paths import project_root
+
+    path = Path(path) if path else project_root() / CASES
+    cases = build_cases(log=log)
+    data = {"model": "organism", "model_sha256": model_digest("organism"), "tokens": CASE_TOKENS,
+            "command": "python -m spectie.divergence cases", "cases": cases}
+    lines = ",\n".join(json.dumps(case) for case in cases)  # one case per line
+    head = json.dumps({k: v for k, v in data.items() if k != "cases"})[:-1]
+    path.write_text(f'{head}, "cases": [\n{lines}\n]}}\n')
+    log(f"{len(cases)} labelled cases: {path}")
+    return path
+
+
+def read_cases(path: str | Path | None = None) -> dict:
+    from spectie.paths import project_root
+
+    path = Path(path) if path else project_root() / CASES
+    if not path.is_file():
+        raise UsageError(f"no labelled cases at {path}: run `python -m spectie.divergence cases`")
+    return json.loads(path.read_text())
+
+
+def classify_cases(cases: list[dict], model: str = "organism", threshold: float | None = None) -> list[dict]:
+    """The classifier on each labelled case: its verdict beside the truth."""
+    from tqdm.auto import tqdm
+
+    rows = []
+    for case in tqdm(cases, desc="classifying the labelled cases", mininterval=2):
+        result = classify(model, case["prompt_token_ids"], case["a"], case["b"], threshold)
+        called = {NEAR_TIE: NEAR_TIE_LABEL, SUSPECTED_BUG: BUG_LABEL}.get(result.verdict, result.verdict)
+        rows.append({"case": case["name"], "truth": case.get("label"), "class": case["class"], "verdict": called,
+                     "right": called == case["label"] if "label" in case else None,
+                     "output token": None if result.position is None else result.position + 1,
+                     "fp32 margin": result.reference_margin, "threshold": result.threshold})
+    return rows
+
+
+def confusion(rows: list[dict]):
+    """Truth (rows) against the classifier's verdict (columns), counts."""
+    import pandas as pd
+
+    table = pd.crosstab(pd.Series([r["truth"] for r in rows], name="truth"),
+                        pd.Series([r["verdict"] for r in rows], name="classifier says"))
+    labels = [NEAR_TIE_LABEL, BUG_LABEL]
+    return table.reindex(index=labels, columns=labels, fill_value=0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m spectie.divergence cases: build the labelled cases on the organism into sources/."""
+    import sys
+
+    if (argv if argv is not None else sys.argv[1:]) != ["cases"]:
+        print(main.__doc__)
+        return 2
+    write_cases()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

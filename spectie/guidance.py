@@ -227,3 +227,44 @@ def survey_verdict(counts: dict) -> str:
     if counts["moved_tie_at_divergence"]:
         verdict += "; it is blind to ties upstream of the stop, and the classifier (below) is the tool for those"
     return verdict
+
+
+def classifier_score_text(rows: list[dict]) -> str:
+    """How the classifier did on the labelled cases, in words (rows from divergence.classify_cases)."""
+    ties = [r for r in rows if r["truth"] == "near-tie"]
+    bugs = [r for r in rows if r["truth"] == "bug"]
+    text = (f"it called {sum(r['right'] for r in ties)} of {len(ties)} near-ties near-ties and caught "
+            f"{sum(r['right'] for r in bugs)} of {len(bugs)} planted bugs")
+    missed: dict[str, list[dict]] = {}
+    for r in bugs:
+        if not r["right"]:
+            missed.setdefault(r["class"], []).append(r)
+    if missed:
+        worst = max(abs(r["fp32 margin"]) for group in missed.values() for r in group)
+        text += (f"; it missed {', '.join(f'{name} ({len(group)})' for name, group in missed.items())}: in each, the "
+                 f"planted bug first changed a token where fp32's top two were at most {worst:.3f} logits apart, "
+                 f"and every later token stayed within the band, so the output is one a correct engine could write")
+    wrong_ties = [r for r in ties if not r["right"]]
+    if wrong_ties:
+        text += f"; it called {len(wrong_ties)} near-tie(s) suspected bugs ({', '.join(r['case'] for r in wrong_ties)})"
+    return text
+
+
+def recorded_verdicts_text(rows: list[dict], widest_band: float) -> str:
+    """The classifier on real engines' divergences (unlabelled), per speculative method, in words."""
+    if not rows:
+        return "no speculative run of this host parted from plain greedy"
+    by_method: dict[str, list[dict]] = {}
+    for r in rows:
+        by_method.setdefault(r["class"], []).append(r)
+    parts = []
+    for method, group in by_method.items():
+        bugs = [r for r in group if r["verdict"] == "bug"]
+        part = f"{method}: {len(bugs)} of {len(group)} called suspected bugs"
+        far = [r for r in bugs if abs(r["fp32 margin"]) > widest_band]
+        if far:
+            part += (f", {len(far)} of them at a first divergence whose two tokens fp32 puts "
+                     f"{min(abs(r['fp32 margin']) for r in far):.1f} to {max(abs(r['fp32 margin']) for r in far):.1f} "
+                     f"logits apart, beyond the widest band recorded ({widest_band:.2f})")
+        parts.append(part)
+    return "; ".join(parts)

@@ -113,3 +113,60 @@ def test_the_baseline_beside_a_record_is_the_one_of_its_prompt_seed(tmp_path):
     other["id"], other["parameters"]["configuration"] = "spec-s1", "spec"
     (tmp_path / "spec-s1.json").write_text(json.dumps(other))
     assert baseline_record(tmp_path / "spec-s1.json")["parameters"]["prompt_seed"] == 1
+
+
+# The labelled cases (sources/classifier_cases.json) the classifier misses at the organism's band, each a planted
+# bug whose first effect was to tip a near-tie and whose output then stayed within the band: an output a correct
+# engine could write. Measured 2026-12-04 (11 of 30 planted bugs); the guidance chapter shows the same matrix.
+MISSED_AT_ORGANISM_BAND = {
+    "conv-offset from token 15, seed 0", "conv-offset from token 15, seed 1", "conv-offset from token 15, seed 2",
+    "lost-state from token 1, seed 1", "lost-state from token 15, seed 1", "lost-state from token 1, seed 2",
+    "lost-state from token 15, seed 2", "stale-state from token 1, seed 1", "stale-state from token 15, seed 1",
+    "stale-state from token 1, seed 2", "stale-state from token 15, seed 2"}
+CASES = divergence.read_cases()["cases"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_each_labelled_case_gets_its_label_except_the_known_blind_spots(case):
+    [row] = divergence.classify_cases([case], "organism", ORGANISM_BAND)
+    assert row["truth"] == case["label"] and row["output token"] == first_divergence(case["a"], case["b"]) + 1
+    if case["name"] in MISSED_AT_ORGANISM_BAND:
+        assert case["label"] == divergence.BUG_LABEL and row["verdict"] == divergence.NEAR_TIE_LABEL
+        assert abs(row["fp32 margin"]) <= ORGANISM_BAND  # it tipped a near-tie: the blind spot, not a mistake
+    else:
+        assert row["verdict"] == case["label"], row
+
+
+def test_the_labelled_cases_hold_every_public_class_and_both_labels():
+    data = divergence.read_cases()
+    assert data["model"] == "organism"
+    from spectie.organism import pinned_digest
+
+    assert data["model_sha256"] == pinned_digest()  # built on the pinned weights
+    assert {c["class"] for c in CASES if c["label"] == divergence.BUG_LABEL} == set(divergence.BUGS)
+    ties = [c for c in CASES if c["label"] == divergence.NEAR_TIE_LABEL]
+    assert len(ties) == len(divergence.TIE_SEEDS)
+    for case in ties:  # stop against continue at the designed decision, the incident's shape
+        index = first_divergence(case["a"], case["b"])
+        assert index == len(case["a"]) - 1 and 248044 in (case["a"][index], case["b"][index])
+
+
+def test_every_planted_bug_class_changes_the_organisms_output(organism_runs):
+    from spectie.margins import end_of_text_ids, load_model, reference_gdn_kernels, resolve_model
+
+    prompt, plain, _ = organism_runs
+    with reference_gdn_kernels():
+        model = load_model(resolve_model("organism"), "bfloat16")
+        for bug in divergence.BUGS:
+            buggy = divergence.greedy_with_bug(model, prompt, 24, end_of_text_ids(resolve_model("organism")), bug, 0)
+            assert first_divergence(buggy, plain[:24]) is not None, bug
+    with pytest.raises(UsageError, match="unknown planted bug"):
+        divergence.greedy_with_bug(model, prompt, 4, [0], "cosmic-ray", 0)
+
+
+def test_the_confusion_matrix_counts_truth_against_verdict():
+    rows = [{"truth": "near-tie", "verdict": "near-tie"}, {"truth": "bug", "verdict": "near-tie"},
+            {"truth": "bug", "verdict": "bug"}, {"truth": "bug", "verdict": "bug"}]
+    table = divergence.confusion(rows)
+    assert table.loc["near-tie", "near-tie"] == 1 and table.loc["near-tie", "bug"] == 0
+    assert table.loc["bug", "near-tie"] == 1 and table.loc["bug", "bug"] == 2

@@ -48,3 +48,26 @@ def test_the_computed_sentences_say_what_the_records_say():
                                         moved_tie_at_divergence=0)) == \
         "On this model the detector flags 2 of 5 ordinary stops"
     assert guidance.survey_verdict({}) == "No survey is recorded for this model"
+
+
+def test_the_classifier_scores_and_real_verdicts_are_told_from_their_rows():
+    from spectie import guidance
+
+    rows = [{"case": "tie 0", "truth": "near-tie", "class": "designed tie", "verdict": "near-tie", "right": True,
+             "fp32 margin": 0.01},
+            {"case": "tie 1", "truth": "near-tie", "class": "designed tie", "verdict": "bug", "right": False,
+             "fp32 margin": 0.5},
+            {"case": "gate", "truth": "bug", "class": "gate-shift", "verdict": "bug", "right": True, "fp32 margin": -6.0},
+            {"case": "lost", "truth": "bug", "class": "lost-state", "verdict": "near-tie", "right": False,
+             "fp32 margin": -0.07}]
+    text = guidance.classifier_score_text(rows)
+    assert text.startswith("it called 1 of 2 near-ties near-ties and caught 1 of 2 planted bugs; it missed "
+                           "lost-state (1): in each, the planted bug first changed a token where fp32's top two were "
+                           "at most 0.070 logits apart")
+    assert text.endswith("; it called 1 near-tie(s) suspected bugs (tie 1)")
+    real = [{"class": "ngram_gpu", "verdict": "bug", "fp32 margin": -25.8}, {"class": "ngram_gpu", "verdict": "bug",
+             "fp32 margin": 0.09}, {"class": "mtp", "verdict": "near-tie", "fp32 margin": 0.01}]
+    assert guidance.recorded_verdicts_text(real, 0.74) == (
+        "ngram_gpu: 2 of 2 called suspected bugs, 1 of them at a first divergence whose two tokens fp32 puts 25.8 "
+        "to 25.8 logits apart, beyond the widest band recorded (0.74); mtp: 0 of 1 called suspected bugs")
+    assert guidance.recorded_verdicts_text([], 0.74) == "no speculative run of this host parted from plain greedy"
