@@ -13,7 +13,7 @@ from spectie.organism import pinned_digest
 
 def make(target, root, *args):
     return subprocess.run(["make", target, f"VENV={Path(sys.prefix)}", *args], cwd=root,
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=1800)  # a whole build: ~12 min uncontended
 
 
 @pytest.fixture(scope="module")
