@@ -367,12 +367,15 @@ def read_cases(path: str | Path | None = None) -> dict:
     return json.loads(path.read_text())
 
 
-def classify_cases(cases: list[dict], model: str = "organism", threshold: float | None = None) -> list[dict]:
+def classify_cases(cases: list[dict], model: str = "organism", threshold: float | None = None,
+                   progress: bool = True) -> list[dict]:
     """The classifier on each labelled case: its verdict beside the truth."""
     from tqdm.auto import tqdm
+    from transformers.utils import logging as transformers_logging
 
+    transformers_logging.disable_progress_bar()  # one bar for the cases, not one per model load
     rows = []
-    for case in tqdm(cases, desc="classifying the labelled cases", mininterval=2):
+    for case in tqdm(cases, desc="classifying", mininterval=2, disable=not progress):
         result = classify(model, case["prompt_token_ids"], case["a"], case["b"], threshold)
         called = {NEAR_TIE: NEAR_TIE_LABEL, SUSPECTED_BUG: BUG_LABEL}.get(result.verdict, result.verdict)
         rows.append({"case": case["name"], "truth": case.get("label"), "class": case["class"], "verdict": called,

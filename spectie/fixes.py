@@ -120,17 +120,26 @@ def first_unknown(fix: dict) -> str:
 
 
 def ledger_table(record: dict):
-    """Fix × release, one letter each (P present, A absent, ? unknown or mixed), and the first release."""
+    """Fix × release, one letter each (P present, A absent, ? unknown or mixed), and the first release (the
+    failure each fixes: failures_text; a column of it would make the table too wide to read)."""
     import pandas as pd
 
     letters = {"present": "P", "absent": "A", "unknown": "?", "mixed": "?"}
     rows = []
     for fix in record["results"]["fixes"]:
-        row = {"fix": fix["fix"], "failure": fix["failure"]}
+        row = {"fix": fix["fix"]}
         row.update({release: letters[fix["per_release"][release]] for release in record["parameters"]["releases"]})
         row["first release with it"] = fix["first_release"] or first_unknown(fix)
         rows.append(row)
     return pd.DataFrame(rows).set_index("fix")
+
+
+def failures_text(record: dict) -> str:
+    """Which failure each public thread of the ledger reports, in words, once per thread."""
+    seen: dict[str, str] = {}
+    for fix in record["results"]["fixes"]:
+        seen.setdefault(fix["fix"].split(" ")[0], fix["failure"])
+    return "; ".join(f"#{number}: {failure}" for number, failure in seen.items() if failure)
 
 
 def releases_text(record: dict, versions: list[str]) -> str:

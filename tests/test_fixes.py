@@ -78,4 +78,11 @@ def test_the_table_says_none_only_where_every_release_could_tell():
     assert table["first release with it"].to_dict() == {
         "a": "none of these", "b": "none of those that can tell; 0.28.0 cannot tell",
         "c": "unknown: no release's source can tell", "d": "0.28.0"}
+    assert "failure" not in table.columns
     assert table.loc["d", "0.27.0"] == "A" and table.loc["d", "0.28.0"] == "P" and table.loc["b", "0.28.0"] == "?"
+
+
+def test_each_threads_failure_is_said_once():
+    record = ledger_like({"39273 / PR 1": {"0.27.0": "absent"}, "39273 / PR 2": {"0.27.0": "absent"},
+                          "51812": {"0.27.0": "present"}}, {"39273 / PR 1": None, "39273 / PR 2": None, "51812": "0.27.0"})
+    assert fixes.failures_text(record) == f"#39273: {fixes.FAILURES['39273']}; #51812: {fixes.FAILURES['51812']}"
