@@ -513,7 +513,7 @@ def test_one_run_never_mixes_hosts_or_prompts():
 
     def record(env, host, seed):
         return {"id": f"{env}-{host}-{seed}", "environments": [env], "fingerprint": {"host_id": host},
-                "parameters": {"prompt_seed": seed, "matrix": "m"}}
+                "parameters": {"prompt_seed": seed, "matrix": "m", "model": "organism"}}
 
     records = [record("cpu", "other", 0), record("cpu", host_id(), 0), record("cpu", host_id(), 1),
                record("v0.26.0-h200", "h200", 0)]
