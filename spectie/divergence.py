@@ -233,12 +233,6 @@ def greedy_with_bug(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: 
     return output
 
 
-def greedy_with_lost_state(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: list[int],
-                           corrupt_at: int) -> list[int]:
-    """The planted lost-state bug (BUGS["lost-state"])."""
-    return greedy_with_bug(model, prompt_ids, max_new_tokens, eos_ids, "lost-state", corrupt_at)
-
-
 def pair_from_records(record: dict, baseline: dict, repeat: int = 0) -> dict:
     """The classifier's input from two reproduction records (`engine-outcome`) of one matrix run: the
     prompt, one repeat of `record` as a, the same repeat of its baseline as b."""
@@ -336,9 +330,10 @@ def recorded_pairs(records: list[dict]) -> list[dict]:
         if (seed, repeat["first_divergence"]) in seen:
             continue
         seen.add((seed, repeat["first_divergence"]))
+        pair = pair_from_records(r, plain[seed])
         pairs.append({"name": f"{r['parameters']['configuration']} vs plain, seed {seed}",
-                      "class": r["parameters"]["method"], "prompt_token_ids": r["parameters"]["prompt_token_ids"],
-                      "a": repeat["token_ids"], "b": plain[seed]["results"]["repeats"][0]["token_ids"]})
+                      "class": r["parameters"]["method"], "prompt_token_ids": pair["prompt_token_ids"],
+                      "a": pair["a"], "b": pair["b"]})
     return pairs
 
 

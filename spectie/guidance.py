@@ -132,7 +132,7 @@ def planted_bug(model: str = "organism", prompt_tokens: int = 1845, seed: int = 
     with reference_gdn_kernels():
         loaded = load_model(path, "bfloat16")
         plain = greedy_generate(loaded, prompt, new_tokens, eos).output_ids
-        buggy = divergence.greedy_with_lost_state(loaded, prompt, new_tokens, eos, corrupt_at)
+        buggy = divergence.greedy_with_bug(loaded, prompt, new_tokens, eos, "lost-state", corrupt_at)
     return prompt, plain, buggy
 
 

@@ -259,6 +259,12 @@ def _stop(results: dict) -> int | None:
     return repeat["output_tokens"] if repeat["finish_reason"] == "stop" else None
 
 
+def first_parting(record: dict) -> int | None:
+    """The first output token (1-based) where any repeat of a run parts from the baseline, None if none does."""
+    at = [x["first_divergence"] for x in record["results"]["repeats"] if x["first_divergence"] is not None]
+    return min(at) + 1 if at else None
+
+
 def seeds_rows(records: list[dict], baseline: str | None) -> list[dict]:
     """Per configuration, over every prompt seed it ran on: how often its output parts from the baseline's
     (any repeat), where (1-based output tokens), and how its stop compares with the baseline's (first repeats)."""
@@ -272,9 +278,9 @@ def seeds_rows(records: list[dict], baseline: str | None) -> list[dict]:
         ran = sorted((r for r in runs if r["results"]["repeats"] and prompt_seed(r) in base), key=prompt_seed)
         parted, stops = [], {"same": 0, "earlier": 0, "later": 0, "only here": 0, "only in the baseline": 0}
         for r in ran:
-            at = [x["first_divergence"] for x in r["results"]["repeats"] if x["first_divergence"] is not None]
-            if at:
-                parted.append(min(at) + 1)
+            at = first_parting(r)
+            if at is not None:
+                parted.append(at)
             here, there = _stop(r["results"]), _stop(base[prompt_seed(r)])
             if here is None and there is None or here == there:
                 stops["same"] += 1
@@ -310,8 +316,7 @@ def parting_plot(records: list[dict], baseline: str | None, decisive_output_toke
     fig, ax = plt.subplots(figsize=(9, 0.35 * len(configs) + 1.4))
     for row, (name, runs) in enumerate(configs.items()):
         ran = [r for r in runs if r["results"]["repeats"] and prompt_seed(r) in base]
-        parted = [min(x["first_divergence"] for x in r["results"]["repeats"] if x["first_divergence"] is not None) + 1
-                  for r in ran if any(x["first_divergence"] is not None for x in r["results"]["repeats"])]
+        parted = [at for at in map(first_parting, ran) if at is not None]
         ax.scatter(parted, [row] * len(parted), color="#c0392b", s=22, zorder=3,
                    label="parts from the baseline here (one prompt)" if row == 0 else None)
         same = len(ran) - len(parted)
