@@ -46,6 +46,9 @@ class Divergence:
     threshold: float
     threshold_origin: str
     explanation: str
+    stopped: str | None = None  # "a" or "b": the sequence that ended (end-of-text) where the other went on
+    stop_position: int | None = None  # the output token of that end-of-text (the divergence's, or a later one)
+
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -68,6 +71,16 @@ def trailing(logits, tokens: list[int], threshold: float, decode) -> list[dict]:
             for i, gap in enumerate(gaps) if gap > threshold][:10]
 
 
+def stop_where_other_goes_on(tokens_a: list[int], tokens_b: list[int], eos_ids: list[int]):
+    """("a" or "b", output token) of the sequence that writes end-of-text where the other writes another token,
+    or (None, None)."""
+    for name, tokens, other in (("a", tokens_a, tokens_b), ("b", tokens_b, tokens_a)):
+        at = next((i for i, token in enumerate(tokens) if token in eos_ids), None)
+        if at is not None and len(other) > at and other[at] not in eos_ids:
+            return name, at
+    return None, None
+
+
 def classify(model: str, prompt_ids: list[int], tokens_a: list[int], tokens_b: list[int],
              threshold: float | None = None, device: str = "cpu", serving_dtype: str = "bfloat16") -> Divergence:
     """Classify the first divergence of `tokens_a` from `tokens_b` (outputs generated after `prompt_ids`).
@@ -77,7 +90,8 @@ def classify(model: str, prompt_ids: list[int], tokens_a: list[int], tokens_b: l
     `threshold`: the noise band in logits; default the recorded bf16 band of the nearest model size."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from spectie.margins import check_device, load_model, reference_gdn_kernels, resolve_model, teacher_forced_logits
+    from spectie.margins import (check_device, end_of_text_ids, load_model, reference_gdn_kernels, resolve_model,
+                                 teacher_forced_logits)
     from spectie.margins import torch_dtype
     from spectie.reproduce import first_divergence
     from spectie.tiestop import threshold_for_model
@@ -98,11 +112,12 @@ def classify(model: str, prompt_ids: list[int], tokens_a: list[int], tokens_b: l
         return Divergence(IDENTICAL, None, None, None, None, None, None, None, None, None, None, [], [],
                           threshold if threshold is not None else float("nan"), "given" if threshold is not None else "",
                           "no divergence: the two sequences are identical")
-    stopped = None  # which sequence stopped where the other went on (a strict prefix), if any
-    if index == min(len(tokens_a), len(tokens_b)):
-        stopped = "a" if len(tokens_a) < len(tokens_b) else "b"
-        eos = end_of_text(path)
-        tokens_a, tokens_b = (tokens_a + [eos], tokens_b) if stopped == "a" else (tokens_a, tokens_b + [eos])
+    eos_ids = end_of_text_ids(path)
+    if index == len(tokens_a) < len(tokens_b):  # a strict prefix: the shorter one lost its end-of-text
+        tokens_a = tokens_a + eos_ids[:1]
+    elif index == len(tokens_b) < len(tokens_a):
+        tokens_b = tokens_b + eos_ids[:1]
+    stopped, stop_position = stop_where_other_goes_on(tokens_a, tokens_b, eos_ids)
     tokenizer = AutoTokenizer.from_pretrained(path)
     decode = lambda token: tokenizer.decode([token])  # noqa: E731
     start = len(prompt_ids)
@@ -124,7 +139,7 @@ def classify(model: str, prompt_ids: list[int], tokens_a: list[int], tokens_b: l
     outside_a, outside_b = trailing(rows_a, tokens_a, threshold, decode), trailing(rows_b, tokens_b, threshold, decode)
     text_a, text_b = decode(a), decode(b)
     head = f"at output token {index}, {text_a!r} and {text_b!r} are {abs(margin):.3f} logits apart in fp32"
-    if stopped:
+    if stop_position == index:
         head = (f"sequence {stopped} stops at output token {index} where the other goes on (end-of-text against "
                 f"{text_b if stopped == 'a' else text_a!r}, stop against continue); {head}")
     if abs(margin) > threshold:
@@ -141,15 +156,12 @@ def classify(model: str, prompt_ids: list[int], tokens_a: list[int], tokens_b: l
         verdict = NEAR_TIE
         explanation = (f"{head} (within the {threshold:.3f} noise band), and every token of both sequences is within "
                        "the band of fp32's own choice: either is what some correct computation order picks")
+    if stop_position is not None and stop_position != index:
+        explanation += (f"; sequence {stopped} later stops (end-of-text at output token {stop_position}) where the other "
+                        "goes on: that stop follows from this first divergence, not from a tie of its own")
     return Divergence(verdict, index, a, b, text_a, text_b, margin, float(served[a] - served[b]), decode(order[0]),
-                      order.index(a) + 1, order.index(b) + 1, outside_a, outside_b, threshold, origin, explanation)
-
-
-def end_of_text(path: str) -> int:
-    """The model's end-of-text id: the first of margins.end_of_text_ids."""
-    from spectie.margins import end_of_text_ids
-
-    return end_of_text_ids(path)[0]
+                      order.index(a) + 1, order.index(b) + 1, outside_a, outside_b, threshold, origin, explanation,
+                      stopped, stop_position)
 
 
 def read_pair(path: str | Path) -> dict:

@@ -268,3 +268,32 @@ def recorded_verdicts_text(rows: list[dict], widest_band: float) -> str:
                      f"logits apart, beyond the widest band recorded ({widest_band:.2f})")
         parts.append(part)
     return "; ".join(parts)
+
+
+def share(part: int, whole: int) -> str:
+    return f"{part} of {whole}" + (f" ({part / whole:.0%})" if whole else "")
+
+
+def detector_text(rates: dict, curve: list[dict]) -> str:
+    """The detector's measured error rates at one threshold (survey.detector_rates), and where along the curve
+    (survey.detector_curve) it would start to catch truncations at confident positions, in words."""
+    if "near-tie planted" not in rates:
+        return "no injected truncations are recorded for this model, so the detector's recall is not measured here"
+    text = (f"it caught {share(rates['near-tie caught'], rates['near-tie planted'])} of the truncations planted at "
+            f"near-ties and {share(rates['confident caught'], rates['confident planted'])} of those planted at "
+            "confident positions")
+    if rates.get("ordinary_stops"):
+        text += f", and flagged {share(rates['ordinary_flagged'], rates['ordinary_stops'])} ordinary stops"
+    else:
+        text += "; no ordinary stop was recorded to count false positives on"
+    first = next((r for r in curve if r["confident caught"]), None)
+    if first is not None:
+        text += (f". It would begin to flag truncations at confident positions only from a threshold of "
+                 f"{first['threshold']:.2f} logits")
+        if first.get("ordinary_stops"):
+            text += f", where it would flag {share(first['ordinary_flagged'], first['ordinary_stops'])} ordinary stops"
+    if rates["near-tie caught"] > rates["confident caught"]:
+        text += (". A tie-stop detector finds stops that a computation shape could flip; a stop forced where the "
+                 "model wanted to go on looks like any other stop to it and shows only against plain greedy "
+                 "(`spectie classify`)")
+    return text

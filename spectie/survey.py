@@ -14,7 +14,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from spectie.errors import UsageError
-from spectie.prompts import TEMPLATES, PromptSpec
+from spectie.prompts import CHECKPOINT, TEMPLATES, PromptSpec
+from spectie.tiestop import Completion, Step, check, is_near_tie
 
 CHAPTER = "guidance"
 LENGTHS = (256, 512, 1024, 1536)  # prompt lengths in tokens, cycled over the prompts
@@ -34,7 +35,7 @@ def completion_row(event: dict) -> dict:
 
 def run(model: str, environment: str, count: int = 32, configurations: list[str] | None = None,
         matrix_name: str | None = None, content_hash: str | None = None, model_label: str | None = None,
-        progress: bool = True, results_dir=None, log=print) -> dict:
+        progress: bool = True, results_dir=None, max_tokens: int | None = None, log=print) -> dict:
     """Complete the prompts with the matrix's baseline and `configurations`; write and return the record."""
     from tqdm import tqdm
     from transformers import AutoTokenizer
@@ -52,9 +53,12 @@ def run(model: str, environment: str, count: int = 32, configurations: list[str]
     content_hash = content_hash or current_hash(CHAPTER)
     matrix_name = matrix_name or ("cpu" if environment == "cpu" else "incident")
     matrix = read_matrix(matrix_name).select(configurations).with_repeats(1)
+    if max_tokens is not None:
+        matrix = matrix.with_sampling(max_tokens=max_tokens)
     if len(matrix.configs) < 2:
         raise UsageError("the survey compares speculative configurations with the baseline: name at least one")
     specs = prompt_specs(count)  # checked before any engine starts
+    matrix.check_fits(max(spec.tokens for spec in specs))
     python = engine_python(environment)
     probe = probe_vllm(environment, python)
     check_matrix(matrix, probe)
@@ -144,6 +148,40 @@ def distinct_stops(record: dict) -> dict[str, list[dict]]:
     return found
 
 
+def stop_vs_continue(record: dict) -> list[dict]:
+    """Every speculative completion of the survey of which it, or the baseline's, ends with a stop token at an output
+    token where the other writes another token: the incident's silent early stop, or its reverse. Each: prompt index,
+    configuration, which one stopped, where, and where the two first parted (at the stop, or upstream of it)."""
+    found = []
+    for index, cid, completion, plain, at in classified(record):
+        if at is None:
+            continue
+        for name, stopper, other in ((cid, completion, plain), (record["parameters"]["baseline"], plain, completion)):
+            stop = len(stopper["token_ids"]) - 1
+            if stopper["finish_reason"] == "stop" and len(other["token_ids"]) > stop \
+                    and other["token_ids"][stop] != stopper["token_ids"][stop]:
+                found.append({"prompt": index, "configuration": cid, "stopped": name, "stop_position": stop,
+                              "first_divergence": at})
+    return found
+
+
+def pair(record: dict, index: int, configuration: str, model: str) -> dict:
+    """The classifier's input (`spectie classify`) from a survey record: prompt `index` rebuilt from its spec with
+    the model's tokenizer, `configuration`'s completion as a, the baseline's as b."""
+    from transformers import AutoTokenizer
+
+    from spectie.prompts import build_prompt
+
+    row = record["results"]["prompts"][index]
+    prompt = build_prompt(PromptSpec(row["tokens"], row["seed"], row["template"]), AutoTokenizer.from_pretrained(model))
+    if len(prompt.token_ids) != row["prompt_tokens"]:
+        raise UsageError(f"prompt {index} rebuilt with {model}'s tokenizer has {len(prompt.token_ids)} tokens, the "
+                         f"survey's had {row['prompt_tokens']}: another tokenizer")
+    baseline = record["parameters"]["baseline"]
+    return {"prompt_token_ids": list(prompt.token_ids), "a": row["completions"][configuration]["token_ids"],
+            "b": row["completions"][baseline]["token_ids"], "a_name": configuration, "b_name": baseline}
+
+
 def margins_by_kind(record: dict, stops: dict[str, list[dict]] | None = None) -> dict[str, list[float]]:
     """Stop margins of the ordinary and of the moved stops, each stop once (for a plot against the threshold);
     `stops`: the record's `distinct_stops`, if already found."""
@@ -174,8 +212,8 @@ def tally(record: dict, threshold: float) -> dict:
         "stopped_completions": len(stopped), "not_stopped": len(completions) - len(stopped),
         "no_logprobs": sum(c["stop_margin"] is None for kind in stops.values() for c in kind),
         "ordinary_stops": len(margins["ordinary"]), "moved_stops": len(margins["moved"]),
-        "ordinary_flagged": sum(m < threshold for m in margins["ordinary"]),
-        "moved_flagged": sum(m < threshold for m in margins["moved"]),
+        "ordinary_flagged": sum(is_near_tie(m, threshold) for m in margins["ordinary"]),
+        "moved_flagged": sum(is_near_tie(m, threshold) for m in margins["moved"]),
         "moved_tie_at_divergence": sum(m is not None and m < threshold for m in at_divergence),
     }
     counts["false_positive_rate"] = (counts["ordinary_flagged"] / counts["ordinary_stops"]
@@ -184,3 +222,129 @@ def tally(record: dict, threshold: float) -> dict:
     positive = [m for _, _, c, _, _ in completions for m in c.get("top2_margins") or [] if m > 0]
     counts["margin_resolution"] = min(positive, default=None)  # smallest non-zero margin vLLM returned
     return counts
+
+
+# Injected truncations: the detector's recall. -------------------------------------------------------------
+
+INJECTION_KIND = "tiestop-injection"
+
+
+def eos_logprobs(model, tokenizer, prompt_ids: list[int], new_tokens: int, eos_ids: list[int]) -> list[dict]:
+    """Greedy continuation of `prompt_ids` with end-of-text suppressed (so it goes on past every place it could
+    end), then, at each output position, end-of-text's logprob and the best other token's from one forward pass
+    over the whole sequence, and whether the listing's grammar offers end-of-text there (right after a
+    checkpoint row's `name=`: the designed tie)."""
+    import torch
+
+    from spectie.margins import teacher_forced_logits
+
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids], device=device), max_new_tokens=new_tokens, do_sample=False,
+                             suppress_tokens=eos_ids, pad_token_id=eos_ids[0], attention_mask=None)
+    ids = out[0].tolist()
+    start = len(prompt_ids)
+    logprobs = torch.log_softmax(teacher_forced_logits(model, ids, list(range(start, len(ids)))), dim=-1)
+    others = logprobs.clone()
+    others[:, eos_ids] = float("-inf")
+    checkpoint = tokenizer.encode(CHECKPOINT, add_special_tokens=False)
+    return [{"position": i, "eos": round(float(logprobs[i, eos_ids].max()), 4),
+             "eos_id": eos_ids[int(logprobs[i, eos_ids].argmax())],
+             "other": round(float(others[i].max()), 4), "other_id": int(others[i].argmax()),
+             "offered": ids[start + i - len(checkpoint):start + i] == checkpoint}
+            for i in range(len(ids) - start)]
+
+
+def check_new_tokens(new_tokens) -> int:
+    if not isinstance(new_tokens, int) or isinstance(new_tokens, bool) or new_tokens < 1:
+        raise UsageError(f"the injected truncations need a whole number of new tokens >= 1, got {new_tokens!r}")
+    return new_tokens
+
+
+def this_hosts(records: list[dict], environment: str) -> dict | None:
+    """The record this host made for `environment`, else the first of `records` (None if there is none)."""
+    from spectie.fingerprint import host_id
+
+    here = host_id()
+    return next((r for r in records if r["environments"][0] == environment and r["fingerprint"]["host_id"] == here),
+                records[0] if records else None)
+
+
+def inject(model: str, environment: str, count: int = 24, new_tokens: int = 200, dtype: str = "bfloat16",
+           content_hash: str | None = None, model_label: str | None = None, progress: bool = True,
+           results_dir=None) -> dict:
+    """Plant an early end-of-text at every output position of the survey's prompts' continuations and record what
+    the detector would read there: the stop token's logprob and the runner-up's, in the serving `dtype`.
+
+    Positions where the grammar offers end-of-text are *near-tie* positions (the designed tie); every other
+    position is *confident* (the model wants another token). A planted end-of-text is what a bug that forces a
+    stop writes (the premature end-of-text class of vLLM #41467), with the model's own logprobs; a numerical
+    flip at a near-tie reports about the same margin with the sign turned."""
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from spectie.chapters import current_hash
+    from spectie.fingerprint import host_id, measured_record, now
+    from spectie.margins import end_of_text_ids, load_model, torch_dtype
+    from spectie.prompts import build_prompt
+    from spectie.records import measured_path, write_record
+
+    check_new_tokens(new_tokens)
+    torch_dtype(dtype)
+    specs = prompt_specs(count)
+    started_at = now()
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    eos_ids = end_of_text_ids(model, tokenizer)
+    loaded = load_model(model, dtype)
+    rows = []
+    for spec in tqdm(specs, desc="injected truncations", unit="prompt", disable=not progress, file=sys.stderr):
+        ids = list(build_prompt(spec, tokenizer).token_ids)
+        rows.append({"tokens": spec.tokens, "seed": spec.seed, "template": spec.template,
+                     "positions": eos_logprobs(loaded, tokenizer, ids, new_tokens, eos_ids)})
+    parameters = {"model": model_label or model, "prompts": count, "prompt_lengths": list(LENGTHS),
+                  "new_tokens": new_tokens, "dtype": dtype, "eos_ids": eos_ids}
+    record = measured_record(
+        record_id=f"tiestop-injection-{environment}-{host_id()}".lower(), kind=INJECTION_KIND, chapter=CHAPTER,
+        title=f"Injected truncations: end-of-text planted at every output position of {count} ordinary prompts",
+        environment=environment, parameters=parameters, results={"prompts": rows},
+        started_at=started_at, content_hash=content_hash or current_hash(CHAPTER), dtype=dtype)
+    write_record(record, measured_path(record, results_dir))
+    return record
+
+
+def planted_stops(record: dict) -> dict[str, list[Completion]]:
+    """The injection record's planted truncations as the detector reads them: a completion whose last step is
+    the planted end-of-text, with its logprob and the runner-up's; grouped into near-tie and confident ones."""
+    found: dict[str, list[Completion]] = {"near-tie": [], "confident": []}
+    for index, row in enumerate(record["results"]["prompts"]):
+        for p in row["positions"]:
+            eos = f"#{p['eos_id']}"
+            step = Step(eos, p["eos"], {eos: p["eos"], f"#{p['other_id']}": p["other"]})
+            kind = "near-tie" if p["offered"] else "confident"
+            found[kind].append(Completion([step], "stop", "planted", f"prompt {index}, output token {p['position']}"))
+    return found
+
+
+def detector_rates(survey_record: dict | None, injection_record: dict | None, threshold: float,
+                   stops=None, planted=None) -> dict:
+    """At `threshold`: the false-positive rate on the survey's ordinary stops (each once per prompt) and the
+    recall on planted truncations at near-tie and at confident positions (tiestop.check on each), with counts."""
+    rates = {"threshold": threshold}
+    if survey_record is not None:
+        ordinary = margins_by_kind(survey_record, stops)["ordinary"]
+        flagged = sum(is_near_tie(m, threshold) for m in ordinary)
+        rates.update(ordinary_stops=len(ordinary), ordinary_flagged=flagged,
+                     false_positive_rate=flagged / len(ordinary) if ordinary else None)
+    if injection_record is not None:
+        for kind, completions in (planted or planted_stops(injection_record)).items():
+            caught = sum(check(c, threshold).flagged for c in completions)
+            rates.update({f"{kind} planted": len(completions), f"{kind} caught": caught,
+                          f"{kind} recall": caught / len(completions) if completions else None})
+    return rates
+
+
+def detector_curve(survey_record: dict | None, injection_record: dict | None, thresholds: list[float]) -> list[dict]:
+    """`detector_rates` at each threshold (the survey's stops and the planted ones read once)."""
+    stops = distinct_stops(survey_record) if survey_record is not None else None
+    planted = planted_stops(injection_record) if injection_record is not None else None
+    return [detector_rates(survey_record, injection_record, t, stops, planted) for t in thresholds]

@@ -107,6 +107,12 @@ def runner_up(step: Step) -> tuple[str | None, float]:
     return token, step.logprob - logprob
 
 
+def is_near_tie(margin: float, threshold: float) -> bool:
+    """The detector's rule: the stop token and the runner-up are less than `threshold` logits apart, in either
+    order (a stop token below the runner-up was not chosen by greedy decoding, but a near-tie is one either way)."""
+    return abs(margin) < threshold
+
+
 def check(completion: Completion, threshold: float, stops: EndOfText | None = None) -> Verdict:
     """Flag a stop that won by less than `threshold` logits; a completion that did not stop is not flagged.
     With the model's end-of-text tokens (`stops`), a last token that is none of them is reported as a stop
@@ -133,15 +139,17 @@ def check(completion: Completion, threshold: float, stops: EndOfText | None = No
     if other is None:
         raise UsageError(f"{completion.source} {completion.request}: the logprobs hold only the chosen token at the "
                          f"stop (top-1); the margin needs the runner-up: {HOW_TO_REQUEST}")
-    if margin < 0:  # greedy argmax cannot choose a token below another: a sampler or logits processor did
-        return Verdict(False, position=len(completion.steps) - 1, stop_token=last.token, runner_up=other,
-                       margin=margin, explanation=f"the stop token {last.token!r} is {-margin:.3f} logits below "
-                       f"{other!r} in vLLM's raw logprobs: sampling, a logit bias or a penalty chose it, not greedy "
-                       "decoding; not a tie question", **common)
-    flagged = margin < threshold
-    explanation = (f"the stop token {last.token!r} won by {margin:.3f} logits over {other!r}: "
-                   + ("inside the noise band, a near-tie another computation shape could flip" if flagged
-                      else "outside the noise band"))
+    flagged = is_near_tie(margin, threshold)
+    if margin < 0:  # greedy argmax cannot choose a token below another: something else chose the stop
+        explanation = (f"the stop token {last.token!r} is {-margin:.3f} logits below {other!r} in the logprobs: "
+                       "sampling, a logit bias or penalty, or a bug forcing the stop (the premature end-of-text of "
+                       "vLLM #41467) chose it, not greedy decoding; "
+                       + ("within the noise band, a near-tie either way" if flagged else
+                          "outside the noise band, not a tie: compare with plain greedy (spectie classify)"))
+    else:
+        explanation = (f"the stop token {last.token!r} won by {margin:.3f} logits over {other!r}: "
+                       + ("inside the noise band, a near-tie another computation shape could flip" if flagged
+                          else "outside the noise band"))
     return Verdict(flagged, position=len(completion.steps) - 1, stop_token=last.token, runner_up=other,
                    margin=margin, explanation=explanation, **common)
 

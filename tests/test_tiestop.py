@@ -83,6 +83,11 @@ def test_only_an_end_of_text_token_is_read_as_the_stop():
     [biased] = tiestop.from_openai(chat_response(-11.0, -0.5))  # a logit bias chose end-of-text (measured below)
     verdict = tiestop.check(biased, 0.5, stops)
     assert not verdict.flagged and verdict.margin == pytest.approx(-10.5) and "not greedy decoding" in verdict.explanation
+    assert "outside the noise band" in verdict.explanation
+    [near] = tiestop.from_openai(chat_response(-0.75, -0.5))  # end-of-text 0.25 below the runner-up
+    verdict = tiestop.check(near, 0.5, stops)
+    assert verdict.flagged and "a near-tie either way" in verdict.explanation
+    assert not tiestop.check(near, 0.25, stops).flagged  # the band is open: |margin| < threshold
 
 
 def test_the_organisms_end_of_text_tokens_are_read_from_its_folder():
