@@ -173,10 +173,36 @@ def read_pair(path: str | Path) -> dict:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise UsageError(f"{path}: not JSON ({exc.msg})") from None
-    missing = [k for k in ("prompt_token_ids", "a", "b") if k not in data]
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: expected a JSON object with prompt_token_ids, a, b")
+    for name in ("a", "b"):
+        if isinstance(data.get(name), dict):  # an OpenAI-compatible response of vllm serve
+            prompt, data[name] = openai_token_ids(data[name], f"{path}: {name}")
+            data.setdefault("prompt_token_ids", prompt)
+            if prompt is not None and data["prompt_token_ids"] != prompt:
+                raise UsageError(f"{path}: a and b were generated from different prompts")
+    missing = [k for k in ("prompt_token_ids", "a", "b") if data.get(k) is None]
     if missing:
-        raise UsageError(f"{path}: missing {', '.join(missing)} (expected prompt_token_ids, a, b: lists of token ids)")
+        raise UsageError(f"{path}: missing {', '.join(missing)} (expected prompt_token_ids, a, b: lists of token ids, "
+                         "or a and b as responses of vllm serve requested with \"return_token_ids\": true)")
     return data
+
+
+def openai_token_ids(response: dict, name: str) -> tuple[list[int] | None, list[int]]:
+    """The prompt's and the output's token ids of a one-choice OpenAI-compatible response of vllm serve (completion or
+    chat completion) requested with `"return_token_ids": true`. Without them the classifier refuses: text cannot say
+    at which token two outputs part (it may re-tokenize into other ids), nor whether a stop wrote end-of-text."""
+    choices = response.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1:
+        raise UsageError(f"{name}: expected an OpenAI-compatible response with one choice")
+    [choice] = choices
+    ids = choice.get("token_ids")
+    if ids is None:
+        raise UsageError(f"{name}: the response carries text but no token ids, so the token where the two outputs "
+                         "part, its margin, and whether a stop wrote end-of-text cannot be decided (re-tokenized text "
+                         "need not give the ids the engine wrote); request them from vllm serve with "
+                         "\"return_token_ids\": true")
+    return choice.get("prompt_token_ids") or response.get("prompt_token_ids"), ids
 
 
 # Planted bugs, one per public class an operator must tell from a near-tie (greedy_with_bug):

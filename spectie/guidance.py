@@ -212,18 +212,34 @@ def upstream_text(changed: dict[str, dict], baseline: dict | None, divergence_at
     return text
 
 
+MIN_FOR_RATE = 10  # fewer cases than this are counted, not turned into a rate
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
+def rate_text(part: int, whole: int) -> str:
+    """'3 of 40 (8%)', or the counts alone when there are too few for a rate."""
+    if whole >= MIN_FOR_RATE:
+        return f"{part} of {whole} ({part / whole:.0%})"
+    return f"{part} of {whole}" + (" (too few for a rate)" if whole else "")
+
+
 def survey_verdict(counts: dict) -> str:
     """What the tie-stop survey says of the detector on this model, in words (from survey.tally)."""
     if not counts:
         return "No survey is recorded for this model"
+    stops = plural(counts["ordinary_stops"], "ordinary stop")
     if not counts["ordinary_stops"]:
         verdict = ("No completion of the survey ended with an ordinary stop on this model, so the detector's "
                    "false-positive rate is not measured here")
     elif not counts["ordinary_flagged"]:
-        verdict = f"On this model the detector is quiet on the {counts['ordinary_stops']} ordinary stops"
+        verdict = f"On this model the detector flagged none of the {stops}"
     else:
-        verdict = (f"On this model the detector flags {counts['ordinary_flagged']} of {counts['ordinary_stops']} "
-                   "ordinary stops")
+        verdict = f"On this model the detector flagged {counts['ordinary_flagged']} of the {stops}"
+    if 0 < counts["ordinary_stops"] < MIN_FOR_RATE:
+        verdict += f" (fewer than {MIN_FOR_RATE}: too few to estimate a rate)"
     if counts["moved_tie_at_divergence"]:
         verdict += "; it is blind to ties upstream of the stop, and the classifier (below) is the tool for those"
     return verdict
@@ -270,20 +286,16 @@ def recorded_verdicts_text(rows: list[dict], widest_band: float) -> str:
     return "; ".join(parts)
 
 
-def share(part: int, whole: int) -> str:
-    return f"{part} of {whole}" + (f" ({part / whole:.0%})" if whole else "")
-
-
 def detector_text(rates: dict, curve: list[dict]) -> str:
     """The detector's measured error rates at one threshold (survey.detector_rates), and where along the curve
     (survey.detector_curve) it would start to catch truncations at confident positions, in words."""
     if "near-tie planted" not in rates:
         return "no injected truncations are recorded for this model, so the detector's recall is not measured here"
-    text = (f"it caught {share(rates['near-tie caught'], rates['near-tie planted'])} of the truncations planted at "
-            f"near-ties and {share(rates['confident caught'], rates['confident planted'])} of those planted at "
-            "confident positions")
+    text = (f"it caught {rate_text(rates['near-tie caught'], rates['near-tie planted'])} truncations planted at "
+            f"near-ties and {rate_text(rates['confident caught'], rates['confident planted'])} planted at confident "
+            "positions")
     if rates.get("ordinary_stops"):
-        text += f", and flagged {share(rates['ordinary_flagged'], rates['ordinary_stops'])} ordinary stops"
+        text += f", and flagged {rate_text(rates['ordinary_flagged'], rates['ordinary_stops'])} ordinary stops"
     else:
         text += "; no ordinary stop was recorded to count false positives on"
     first = next((r for r in curve if r["confident caught"]), None)
@@ -291,9 +303,9 @@ def detector_text(rates: dict, curve: list[dict]) -> str:
         text += (f". It would begin to flag truncations at confident positions only from a threshold of "
                  f"{first['threshold']:.2f} logits")
         if first.get("ordinary_stops"):
-            text += f", where it would flag {share(first['ordinary_flagged'], first['ordinary_stops'])} ordinary stops"
+            text += f", where it would flag {rate_text(first['ordinary_flagged'], first['ordinary_stops'])} ordinary stops"
     if rates["near-tie caught"] > rates["confident caught"]:
         text += (". A tie-stop detector finds stops that a computation shape could flip; a stop forced where the "
                  "model wanted to go on looks like any other stop to it and shows only against plain greedy "
-                 "(`spectie classify`)")
+                 "(spectie classify)")
     return text

@@ -4,7 +4,10 @@ A completion requested with top-2 logprobs carries, at its last position, the lo
 and of the best other token. Their difference is the logit margin by which the stop won (logprobs of one
 position share their normaliser). A margin inside the bf16 noise band (measured in the reduction-order
 chapter) means that another computation shape, such as a different speculative verify width, could as
-well have continued: the stop is a near-tie, and the output may be silently truncated.
+well have continued: the stop is a near-tie, and the output may be silently truncated. The rule reads the margin
+in either order (`is_near_tie`): a stop token just below the runner-up was not chosen by greedy decoding, but it
+is a near-tie all the same. A stop far below the runner-up (forced by a bug) is not a tie and is not flagged: the
+comparison with plain greedy (`spectie classify`) finds it; the guidance chapter measures both.
 
 Inputs: vLLM `RequestOutput` objects (offline `LLM.generate` with `SamplingParams(logprobs=2)`),
 OpenAI-compatible responses of `vllm serve` (completions with `"logprobs": 2`, chat completions with

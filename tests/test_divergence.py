@@ -133,6 +133,17 @@ def test_the_command_line_classifies_a_pair_file(organism_runs, tmp_path):
     bug.write_text(json.dumps({"prompt_token_ids": prompt, "a": buggy, "b": plain, "model": "organism"}))
     result = run(str(bug), "--json", "--fail-on-bug", "--threshold", str(ORGANISM_BAND))
     assert result.returncode == 1 and json.loads(result.stdout)["verdict"] == divergence.SUSPECTED_BUG
+    # Responses of vllm serve: with token ids ("return_token_ids": true) they are read; without, refused with why.
+    served = tmp_path / "served.json"
+    served.write_text(json.dumps({
+        "a": {"choices": [{"text": "x", "token_ids": plain, "prompt_token_ids": prompt, "finish_reason": "length"}]},
+        "b": {"prompt_token_ids": prompt, "choices": [{"message": {"content": "x"}, "token_ids": plain}]}}))
+    result = run(str(served), "--json")
+    assert result.returncode == 0 and json.loads(result.stdout)["verdict"] == divergence.IDENTICAL, result.stderr
+    text_only = tmp_path / "text.json"
+    text_only.write_text(json.dumps({"prompt_token_ids": prompt, "a": {"choices": [{"text": "x"}]}, "b": plain}))
+    result = run(str(text_only))
+    assert result.returncode == 2 and "no token ids" in result.stderr and "return_token_ids" in result.stderr
     broken = tmp_path / "broken.json"
     broken.write_text(json.dumps({"a": [1]}))
     result = run(str(broken))

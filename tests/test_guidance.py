@@ -42,11 +42,14 @@ def test_the_computed_sentences_say_what_the_records_say():
     assert guidance.upstream_text({}, limit, "—").startswith("Speculation left every completion")
     counts = {"ordinary_stops": 0, "ordinary_flagged": 0, "moved_tie_at_divergence": 3}
     assert guidance.survey_verdict(counts).startswith("No completion of the survey ended with an ordinary stop")
-    assert guidance.survey_verdict(dict(counts, ordinary_stops=5)).startswith(
-        "On this model the detector is quiet on the 5 ordinary stops; it is blind")
-    assert guidance.survey_verdict(dict(counts, ordinary_stops=5, ordinary_flagged=2,
+    assert guidance.survey_verdict(dict(counts, ordinary_stops=12)).startswith(
+        "On this model the detector flagged none of the 12 ordinary stops; it is blind")
+    assert guidance.survey_verdict(dict(counts, ordinary_stops=12, ordinary_flagged=2,
                                         moved_tie_at_divergence=0)) == \
-        "On this model the detector flags 2 of 5 ordinary stops"
+        "On this model the detector flagged 2 of the 12 ordinary stops"
+    assert guidance.survey_verdict(dict(counts, ordinary_stops=1, moved_tie_at_divergence=0)) == \
+        "On this model the detector flagged none of the 1 ordinary stop (fewer than 10: too few to estimate a rate)"
+    assert guidance.rate_text(3, 40) == "3 of 40 (8%)" and guidance.rate_text(0, 1) == "0 of 1 (too few for a rate)"
     assert guidance.survey_verdict({}) == "No survey is recorded for this model"
 
 

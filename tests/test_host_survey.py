@@ -173,8 +173,8 @@ def test_the_detectors_rates_count_ordinary_stops_and_planted_truncations():
     assert [r["confident caught"] for r in curve] == [0, 0, 1, 2]
     assert [r["ordinary_flagged"] for r in curve] == [1, 1, 1, 2]
     text = guidance.detector_text(rates, curve)
-    assert text.startswith("it caught 1 of 2 (50%) of the truncations planted at near-ties and 0 of 2 (0%)")
-    assert "from a threshold of 3.00 logits, where it would flag 1 of 2 (50%) ordinary stops" in text
+    assert text.startswith("it caught 1 of 2 (too few for a rate) truncations planted at near-ties and 0 of 2 (too few")
+    assert "from a threshold of 3.00 logits, where it would flag 1 of 2 (too few for a rate) ordinary stops" in text
     assert "no injected truncations" in guidance.detector_text(survey.detector_rates(ordinary, None, 0.1), [])
     assert "no ordinary stop was recorded" in guidance.detector_text(survey.detector_rates(None, injection, 0.1), curve)
 
