@@ -396,6 +396,7 @@ def band_points(records: list[dict]) -> list[dict]:
                                     f" · {kernels}{' TF32' if tf32 else ''}",
                            "weights": weights_of(record),
                            "model_sha256": record["fingerprint"].get("model_sha256"),
+                           "gpu": record["fingerprint"].get("gpu"),
                            "parameters": record["results"].get("model_parameters") or 0, "dtype": dtype,
                            "kernels": kernels, "tf32": tf32, "band": max(r["noise_band"] for r in chosen)})
     return points

@@ -62,7 +62,7 @@ def test_the_margins_chapter_ran_the_organism_and_wrote_measured_records(built):
     root, _ = built
     text = _text(root / "_build" / "html" / "generated" / "margins.html")
     for expected in ("The decisive position", "How often does a small margin flip?", "0.125", "NVIDIA H200",
-                     "The designed decision, prompt by prompt", "is a tie by design", "another organism"):
+                     "The designed decision, prompt by prompt", "is a tie by design"):
         assert expected in text, expected
     assert re.search(r"\d+ of 16 fp\d+ margins lie inside the band", text)
     records = sorted((root / "results" / "measured").glob("cpu-*/margins/*.json"))
