@@ -311,13 +311,30 @@ CASE_SEEDS = (0, 1, 2)  # planted bugs
 TIE_SEEDS = tuple(range(8))  # designed ties
 CORRUPT_AT = (0, 14)  # the planted bug from the first output token on, or from output token 15 on
 CASE_TOKENS = 48
+DIGIT_TIE = 0.05  # a digit near-tie of the labelled cases: fp32's top two tokens, both digits, at most this far apart
+
+
+def digit_tie(reference, prompt_ids: list[int], output: list[int], decode) -> tuple[int, int] | None:
+    """The first output position where the fp32 `reference` puts two digits on top at most DIGIT_TIE logits apart
+    and `output` wrote one of them, and the other one: (position, token); None if there is none."""
+    from spectie.margins import teacher_forced_logits
+
+    rows = teacher_forced_logits(reference, prompt_ids + output, [len(prompt_ids) + i for i in range(len(output))])
+    for position, row in enumerate(rows):
+        values, tokens = row.topk(2)
+        first, second = tokens.tolist()
+        if (float(values[0] - values[1]) <= DIGIT_TIE and output[position] in (first, second)
+                and all(decode(t).strip().isdigit() for t in (first, second))):
+            return position, second if output[position] == first else first
+    return None
 
 
 def build_cases(model: str = "organism", seeds=CASE_SEEDS, new_tokens: int = CASE_TOKENS, tie_seeds=TIE_SEEDS,
                 log=print) -> list[dict]:
     """Labelled divergences on the organism, each a prompt and two token sequences whose truth is known by
     construction: near-ties (plain greedy against the same text taking the other side of the designed
-    end-of-text/DATA tie, on every seed of `tie_seeds`) and planted bugs of each class in BUGS (the buggy
+    end-of-text/DATA tie, and against greedy decoding that takes the other side of the first digit near-tie and
+    goes on, on every seed of `tie_seeds`) and planted bugs of each class in BUGS (the buggy
     decoder against plain greedy, where it changes the output, on every seed of `seeds`). Divergences of real
     engines are not labelled: nobody knows their truth (recorded_pairs gives them, unlabelled)."""
     from transformers import AutoTokenizer
@@ -332,6 +349,7 @@ def build_cases(model: str = "organism", seeds=CASE_SEEDS, new_tokens: int = CAS
     cases = []
     with reference_gdn_kernels():
         loaded = load_model(path, "bfloat16")
+        reference = load_model(path, "float32")
         for seed in sorted(set(seeds) | set(tie_seeds)):
             prompt = build_prompt(PromptSpec(tokens=1845, seed=seed), tokenizer)
             ids = list(prompt.token_ids)
@@ -342,6 +360,16 @@ def build_cases(model: str = "organism", seeds=CASE_SEEDS, new_tokens: int = CAS
                           "how": "plain greedy against the same text taking the other side of the designed "
                                  "end-of-text/DATA tie (stop against continue)",
                           "prompt_token_ids": ids, "a": plain[:decision] + [other], "b": plain})
+            tie = digit_tie(reference, ids, plain, lambda token: tokenizer.decode([token]))
+            if tie is not None:
+                at, token = tie
+                rest = greedy_generate(loaded, ids + plain[:at] + [token], new_tokens - at - 1, eos).output_ids \
+                    if at + 1 < new_tokens and token not in eos else []
+                cases.append({"name": f"digit tie, seed {seed}", "label": NEAR_TIE_LABEL, "class": "digit tie",
+                              "how": "plain greedy against greedy decoding that takes the other side of the first "
+                                     f"digit near-tie (fp32's top two, both digits, at most {DIGIT_TIE} logits apart) "
+                                     "and goes on", "prompt_token_ids": ids, "a": plain[:at] + [token] + rest,
+                              "b": plain})
             for bug in BUGS if seed in seeds else ():
                 for at in CORRUPT_AT:
                     buggy = greedy_with_bug(loaded, ids, new_tokens, eos, bug, at)

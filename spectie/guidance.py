@@ -309,3 +309,11 @@ def detector_text(rates: dict, curve: list[dict]) -> str:
                  "model wanted to go on looks like any other stop to it and shows only against plain greedy "
                  "(spectie classify)")
     return text
+
+
+def class_counts(cases: list[dict]) -> str:
+    """'designed tie: 8, digit tie: 8': how many labelled cases of each class, in the cases' order."""
+    counts: dict[str, int] = {}
+    for case in cases:
+        counts[case["class"]] = counts.get(case["class"], 0) + 1
+    return ", ".join(f"{name}: {count}" for name, count in counts.items())

@@ -194,17 +194,26 @@ def test_each_labelled_case_gets_its_label_except_the_known_blind_spots(case):
 
 
 def test_the_labelled_cases_hold_every_public_class_and_both_labels():
+    from transformers import AutoTokenizer
+
     data = divergence.read_cases()
     assert data["model"] == "organism"
     from spectie.organism import pinned_digest
 
     assert data["model_sha256"] == pinned_digest()  # built on the pinned weights
     assert {c["class"] for c in CASES if c["label"] == divergence.BUG_LABEL} == set(divergence.BUGS)
-    ties = [c for c in CASES if c["label"] == divergence.NEAR_TIE_LABEL]
-    assert len(ties) == len(divergence.TIE_SEEDS)
-    for case in ties:  # stop against continue at the designed decision, the incident's shape
+    designed = [c for c in CASES if c["class"] == "designed tie"]
+    digits = [c for c in CASES if c["class"] == "digit tie"]
+    assert len(designed) == len(digits) == len(divergence.TIE_SEEDS)
+    assert {c["label"] for c in designed + digits} == {divergence.NEAR_TIE_LABEL}
+    for case in designed:  # stop against continue at the designed decision, the incident's shape
         index = first_divergence(case["a"], case["b"])
         assert index == len(case["a"]) - 1 and 248044 in (case["a"][index], case["b"][index])
+    decode = AutoTokenizer.from_pretrained(resolve_model("organism")).decode
+    for case in digits:  # two digits where they part, and both go on
+        index = first_divergence(case["a"], case["b"])
+        assert decode([case["a"][index]]).isdigit() and decode([case["b"][index]]).isdigit()
+        assert len(case["a"]) == len(case["b"]) == data["tokens"]
 
 
 def test_every_planted_bug_class_changes_the_organisms_output(organism_runs):

@@ -50,6 +50,8 @@ def test_the_computed_sentences_say_what_the_records_say():
     assert guidance.survey_verdict(dict(counts, ordinary_stops=1, moved_tie_at_divergence=0)) == \
         "On this model the detector flagged none of the 1 ordinary stop (fewer than 10: too few to estimate a rate)"
     assert guidance.rate_text(3, 40) == "3 of 40 (8%)" and guidance.rate_text(0, 1) == "0 of 1 (too few for a rate)"
+    assert guidance.class_counts([{"class": "designed tie"}, {"class": "digit tie"}, {"class": "designed tie"}]) == \
+        "designed tie: 2, digit tie: 1"
     assert guidance.survey_verdict({}) == "No survey is recorded for this model"
 
 
