@@ -193,7 +193,7 @@ def designed_decisions(rows: list[dict], pair: tuple[str, str], reference: str, 
 def detector_curve(rows: list[dict], marks: dict[str, float], title: str):
     """The detector's rates over thresholds (`survey.detector_curve`): false positives on ordinary stops, recall on
     planted truncations at near-tie and at confident positions; `marks`: thresholds to draw as labelled lines."""
-    fig, ax = plt.subplots(figsize=(8, 3.6))
+    fig, ax = plt.subplots(figsize=(8, 4.2))
     thresholds = [r["threshold"] for r in rows]
     lines = {"false_positive_rate": ("false positives on ordinary stops", "#d95f02", "-"),
              "near-tie recall": ("recall: truncations planted at near-ties", "#1b9e77", "-"),
@@ -205,10 +205,10 @@ def detector_curve(rows: list[dict], marks: dict[str, float], title: str):
                     linestyle=style, linewidth=2, drawstyle="steps-post")
     for i, (name, value) in enumerate(marks.items()):
         ax.axvline(value, color="black", alpha=0.6, linewidth=1, linestyle=":" if i else "-")
-        ax.annotate(name, (value, 0.5 + 0.12 * i), xytext=(4, 0), textcoords="offset points", fontsize=8)
+        ax.annotate(name, (value, 0.3 + 0.15 * i), xytext=(4, 0), textcoords="offset points", fontsize=8)
     ax.set_xscale("log")
     ax.set_xlabel("threshold: a stop is flagged when |its margin| is below it (logits)")
     ax.set_ylabel("share flagged")
     ax.set_ylim(-0.03, 1.05)
-    ax.legend(loc="upper left", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, fontsize=8, frameon=False)
     return _finish(fig, ax, title)
