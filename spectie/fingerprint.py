@@ -64,6 +64,11 @@ def _gpu() -> tuple[str | None, str | None]:
     return name, rows[0][1]
 
 
+def device_name() -> str:
+    """This machine's compute device as records name it: the GPU's name (nvidia-smi), else "CPU"."""
+    return _gpu()[0] or "CPU"
+
+
 def _cuda() -> str | None:
     """The CUDA version torch was built with, read without importing torch when it is absent."""
     if _version("torch") is None:

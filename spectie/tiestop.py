@@ -234,25 +234,26 @@ def reported_swing(record: dict | None = None) -> tuple[float, str]:
 
 
 def default_threshold(digest: str | None = None, records: list[dict] | None = None,
-                      gpu: str | None = None) -> tuple[float, str]:
+                      device: str | None = None) -> tuple[float, str]:
     """The widest bf16 noise band (TF32 off, any GDN kernels) recorded for these very weights (`digest`) — on
-    that `gpu` where one is recorded there — else the incident's reported fp32-vs-bf16 swing on a real Qwen3.5;
-    and a label saying which it is. (A band of a random-weight shape is not used: its scale is a free parameter
-    of the random weights.)"""
+    that `device` (a GPU's name, or "CPU") where one is recorded there, else on any — else the incident's
+    reported fp32-vs-bf16 swing on a real Qwen3.5; and a label saying which it is. (A band of a random-weight
+    shape is not used: its scale is a free parameter of the random weights.)"""
     from spectie.sensitivity import band_points, recorded_band_points
 
     recorded = recorded_band_points() if records is None else band_points(records)
     same = [p for p in recorded if p["dtype"] == "bfloat16" and not p["tf32"] and digest
             and p.get("model_sha256") == digest]
-    same = [p for p in same if gpu and p.get("gpu") == gpu] or same
+    same = [p for p in same if device and (p.get("gpu") or "CPU") == device] or same
     if same:
         widest = max(same, key=lambda p: p["band"])
         return widest["band"], f"bf16 noise band of {widest['label']}"
     return reported_swing()
 
 
-def threshold_for_model(model_path: str, gpu: str | None = None) -> tuple[float, str]:
-    """`default_threshold` for a model folder (or hub id), matched by its weights' digest (and `gpu`)."""
-    from spectie.fingerprint import model_digest
+def threshold_for_model(model_path: str, device: str | None = None) -> tuple[float, str]:
+    """`default_threshold` for a model folder (or hub id), matched by its weights' digest, preferring the band
+    recorded on `device` (default: this machine's, `fingerprint.device_name`)."""
+    from spectie.fingerprint import device_name, model_digest
 
-    return default_threshold(digest=model_digest(model_path), gpu=gpu)
+    return default_threshold(digest=model_digest(model_path), device=device or device_name())

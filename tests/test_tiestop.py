@@ -129,10 +129,10 @@ def test_default_threshold_is_the_band_recorded_for_the_same_weights():
     band, label = tiestop.default_threshold(digest=digest)
     assert band == max(p["band"] for p in points if p["model_sha256"] == digest)
     assert label.startswith("bf16 noise band of") and band != pytest.approx(1.36)
-    # On a GPU with a band recorded for these weights, that GPU's; on one without, the widest of any host.
-    for gpu in {p["gpu"] for p in points if p["model_sha256"] == digest and p["gpu"]} | {"a GPU with no record"}:
-        on_gpu = [p["band"] for p in points if p["model_sha256"] == digest and p["gpu"] == gpu]
-        assert tiestop.default_threshold(digest=digest, gpu=gpu)[0] == (max(on_gpu) if on_gpu else band)
+    # On a device with a band recorded for these weights, that device's; on one without, the widest of any host.
+    for device in {p["gpu"] or "CPU" for p in points if p["model_sha256"] == digest} | {"a GPU with no record"}:
+        there = [p["band"] for p in points if p["model_sha256"] == digest and (p["gpu"] or "CPU") == device]
+        assert tiestop.default_threshold(digest=digest, device=device)[0] == (max(there) if there else band)
 
 
 def test_the_command_line_reads_jsonl_and_says_what_it_flagged(tmp_path):
