@@ -155,8 +155,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.record_from:
             dump = json.load(open(args.record_from))
         else:
+            from spectie import host
             from spectie.chapters import current_hash
+            from spectie.environments import get_environment
             from spectie.fingerprint import environment_fingerprint, now
+
+            if args.env:  # the same host checks as make run, before any model is built
+                for line in host.check("reduction_order", get_environment(args.env),
+                                       {"device": args.device, "model": args.model}):
+                    print(f"host check: {line}")
 
             started_at = now()
             print(f"benchmark: {args.model} on {args.device}, {args.prompt_tokens}+{args.new_tokens} tokens")
@@ -165,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             if results["bf16_matmul_flops_per_s"]:
                 print(f"bf16 matmul rate (8192^3): {results['bf16_matmul_flops_per_s'] / 1e12:.1f} TFLOP/s")
             dump = {"results": results, "started_at": started_at, "finished_at": now(),
-                    "fingerprint": environment_fingerprint("bfloat16", args.model),
+                    "fingerprint": environment_fingerprint(args.dtypes, args.model),
                     "content_hash": current_hash("reduction_order")}
             if args.dump:
                 with open(args.dump, "w") as handle:

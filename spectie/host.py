@@ -97,6 +97,9 @@ def check(chapter: str, environment: dict, parameters: dict, *, strict: bool = F
     if not expected and device.startswith("cuda"):
         problems.append(f"device {device!r}: environment {env_id!r} has no GPU, so GPU records would be labelled "
                         "as a CPU run; give the environment of this GPU host (make list)")
+    if expected and "device" in parameters and not device.startswith("cuda"):
+        problems.append(f"device {device!r}: environment {env_id!r} is a {expected} host, so records computed on "
+                        "this host's CPU would be labelled as that GPU's; give DEVICE=cuda (or ENV=cpu)")
     if device.startswith("cuda") and not found:
         problems.append(f"device {device!r}, but this host has no NVIDIA GPU; use device: cpu")
     count = environment["hardware"].get("gpu_count")

@@ -64,6 +64,24 @@ def test_the_content_hash_follows_every_input(project_copy):
     assert content_hash(get_chapter("environments"), {}) != appendix_base
 
 
+def test_a_chapter_hashes_only_the_modules_it_uses_and_the_library_versions(project_copy, monkeypatch):
+    """Editing the plots leaves the vLLM matrix up to date (it does not draw), not the margins chapter; a
+    new torch version makes every chapter that computes stale."""
+    from spectie import chapters
+
+    reproduce, margins = get_chapter("reproduce"), get_chapter("margins")
+    assert "plots.py" not in {p.name for p in chapters.used_modules(reproduce)}
+    assert {"margins.py", "plots.py", "records.py"} <= {p.name for p in chapters.used_modules(margins)}
+    before = content_hash(reproduce, {}), content_hash(margins, {})
+    plots = project_copy / "spectie" / "plots.py"
+    plots.write_text(plots.read_text() + "\n# edited\n")
+    assert content_hash(reproduce, {}) == before[0] and content_hash(margins, {}) != before[1]
+    plots.write_text(plots.read_text().removesuffix("\n# edited\n"))
+    versions = chapters.library_versions()
+    monkeypatch.setattr(chapters, "library_versions", lambda: {**versions, "torch": "0.0.0"})
+    assert content_hash(reproduce, {}) != before[0] and content_hash(margins, {}) != before[1]
+
+
 
 def test_a_runs_own_records_are_not_its_inputs(project_copy):
     """`make run ENV=...` writes records under its environment's folder: they must not change the hash its

@@ -64,6 +64,20 @@ def test_a_matching_host_passes_and_says_what_it_has(fake_nvidia_smi):
     assert lines[1].startswith("model: organism, needs about 0.") and "GiB free on the GPU" in lines[1]
 
 
+def test_a_gpu_environment_computed_on_the_cpu_is_refused(fake_nvidia_smi):
+    """ENV=h200 without DEVICE=cuda would label CPU numbers as the H200's."""
+    with pytest.raises(UsageError, match="device 'cpu': environment 'h200' is a NVIDIA H200 host"):
+        host.check("margins", get_environment("h200"), {"model": "organism", "device": "cpu"})
+
+
+def test_bench_runs_the_host_checks_before_any_model(tmp_path):
+    """`make bench DEVICE=cuda` on a host without a GPU (its ENV defaults to cpu) stops at the host check."""
+    result = subprocess.run([sys.executable, "-m", "spectie.bench", "--env", "cpu", "--device", "cuda"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 2, result.stderr
+    assert "environment 'cpu' has no GPU" in result.stderr and "benchmark:" not in result.stdout
+
+
 def test_another_driver_is_recorded_unless_the_check_is_strict(fake_rtx4090x2):
     env = get_environment("v0.31.0-rtx4090x2")
     lines = host.check("incident", env, {})

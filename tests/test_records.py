@@ -172,3 +172,26 @@ def test_records_name_the_weights_of_a_local_model(tmp_path, measured_record):
     measured_record["fingerprint"]["model_sha256"] = model_digest(str(tmp_path))
     assert same_weights(measured_record, str(tmp_path))
     assert model_name(measured_record) == f"{tmp_path} ({model_digest(str(tmp_path))})"
+
+
+def test_records_say_which_code_made_them_and_how(monkeypatch):
+    """The fingerprint names the project's commit, whether tracked code differed from it, and the entry
+    point (`spectie run` sets it for the notebook it executes; a script is named by its path)."""
+    from spectie import fingerprint
+    from spectie.paths import project_root
+
+    root = project_root()
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout
+    changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results"],
+                             cwd=root, capture_output=True, text=True, check=True).stdout
+    monkeypatch.setenv(fingerprint.ENTRY_VARIABLE, "spectie run (make run)")
+    printed = fingerprint.environment_fingerprint("bfloat16")
+    assert printed["source_commit"] == head.strip() and printed["source_dirty"] is bool(changed.strip())
+    assert printed["entry_point"] == "spectie run (make run)"
+    monkeypatch.delenv(fingerprint.ENTRY_VARIABLE)
+    monkeypatch.setattr(sys, "argv", [str(root / "scripts" / "margins_without_papermill.py")])
+    assert fingerprint.entry_point() == "scripts/margins_without_papermill.py"
+    monkeypatch.setattr(fingerprint, "project_root", lambda: root / "nowhere", raising=False)
+    monkeypatch.setattr("spectie.paths.project_root", lambda: root / "nowhere")
+    monkeypatch.setenv(fingerprint.COMMIT_VARIABLE, "0" * 40)
+    assert fingerprint.source_revision() == {"commit": "0" * 40, "dirty": None}
