@@ -55,6 +55,8 @@ CHAPTERS = {
                 "divergence classifier on the recorded runs, a decision path"),
         Chapter("environments", "notebooks/environments.ipynb", ("results/**/*.json", "environments/*.yaml"),
                 "Environments appendix, generated from environments/ and the records"),
+        Chapter("summary", "notebooks/summary.ipynb", ("results/**/*.json", "environments/*.yaml"),
+                "The book's first page: the answer, computed from every record, and what was not measured"),
     )
 }
 

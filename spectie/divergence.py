@@ -446,6 +446,31 @@ def classify_cases(cases: list[dict], model: str = "organism", threshold: float 
     return rows
 
 
+VERDICTS_KIND = "divergence-verdicts"
+
+
+def write_verdicts(rows: list[dict], engine_records: list[dict], model: str, threshold: float, origin: str,
+                   environment: str, content_hash: str, started_at: str) -> dict:
+    """A measured record of the classifier's verdicts on the divergences a vLLM environment wrote (the
+    rows of `classify_cases` on its `recorded_pairs`): computed on this host, about the engine outputs of
+    `engine_records`' environment, with the band used. The summary reads it instead of classifying again."""
+    from spectie.fingerprint import host_id, measured_record
+    from spectie.records import measured_path, write_record
+
+    source = engine_records[0]
+    parameters = {"model": model, "engine_environment": source["environments"][0],
+                  "engine_vllm": source["fingerprint"]["vllm"], "engine_device": source["fingerprint"]["gpu"] or "CPU",
+                  "threshold": threshold, "threshold_origin": origin}
+    record = measured_record(
+        record_id=f"{VERDICTS_KIND}-{source['environments'][0]}-{host_id()}".lower(), kind=VERDICTS_KIND,
+        chapter="guidance", environment=environment, parameters=parameters,
+        title=f"Classifier verdicts on vLLM {parameters['engine_vllm']}'s divergences ({parameters['engine_environment']})",
+        results={"rows": [{k: v for k, v in row.items() if k not in ("truth", "right")} for row in rows]},
+        started_at=started_at, content_hash=content_hash, dtype="float32")
+    write_record(record, measured_path(record))
+    return record
+
+
 def confusion(rows: list[dict]):
     """Truth (rows) against the classifier's verdict (columns), counts."""
     import pandas as pd

@@ -1,0 +1,214 @@
+"""The book's answer (its first page), computed from the records: the verdict, how strong its evidence is,
+what was not measured, and what an operator should check.
+
+Every sentence here is built from records, so the answer changes when the records do: a reference in
+which fp32 and bf16 agree, a plain-greedy run that goes on, or an engine divergence outside the noise band
+turns the verdict or its strength, and says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+NEAR_TIE = "a numerical near-tie, not a speculative-decoding correctness bug"
+NOT_SETTLED = "not settled by these records"
+STRONG, MODERATE, WEAK = "strong", "moderate", "weak"
+REFERENCE_ID = "hf-reference-logits-1854"  # the incident's fp32 and bf16 transformers references at the stop
+PLAIN_ID = "b200-plain-greedy"  # the incident's plain-greedy run on B200
+
+
+@dataclass(frozen=True)
+class Reference:
+    """Two references of one model at one position: the margin of the first token over the second (signed)."""
+
+    tokens: tuple[str, str]
+    fp32: float
+    bf16: float
+    position: int | None
+    record_id: str
+
+    @property
+    def swing(self) -> float:
+        return abs(self.fp32 - self.bf16)
+
+    @property
+    def flipped(self) -> bool:
+        return (self.fp32 > 0) != (self.bf16 > 0)
+
+
+@dataclass
+class Verdict:
+    answer: str
+    strength: str
+    why_strength: str
+    because: list[str] = field(default_factory=list)  # the evidence for the answer, each with its origin
+    caveats: list[str] = field(default_factory=list)  # what the records say against it, or beside it
+    not_measured: list[str] = field(default_factory=list)
+
+
+def reference(record: dict) -> Reference:
+    """The margins of a logit-comparison record, signed as EOS over its rival."""
+    rows = {row["dtype"]: row for row in record["results"]["rows"]}
+    fp32, bf16 = rows.get("fp32") or rows["float32"], rows.get("bf16") or rows["bfloat16"]
+    first = fp32["winner"]
+    rival = next(token for token in fp32["logits"] if token != first)
+    pair = (first, rival) if first in ("EOS", "<|endoftext|>") else (rival, first)
+
+    def signed(row):
+        return row["logits"][pair[0]] - row["logits"][pair[1]]
+
+    return Reference(pair, signed(fp32), signed(bf16), record["results"].get("position"), record["id"])
+
+
+def flip_curves(records: list[dict]) -> list[dict]:
+    """Per measured flip-curve record (margins chapter): on which device, how many decisions, how many bf16
+    flipped against the fp64 reference, and the largest reference margin at which one flipped."""
+    rows = []
+    for record in records:
+        if record["kind"] != "flip-curve" or record["provenance"] != "measured":
+            continue
+        pairs = record["results"]["pairs"]
+        flipped = [margin for margin, flip in pairs if flip]
+        rows.append({"record": record["id"], "device": record["fingerprint"]["gpu"] or "CPU",
+                     "model": record["parameters"]["model"], "decisions": len(pairs), "flips": len(flipped),
+                     "largest_flipped": max(flipped, default=None), "reference": record["results"]["reference"]})
+    return rows
+
+
+def engine_divergences(records: list[dict]) -> list[dict]:
+    """Per divergence-verdicts record and speculative method: the vLLM outputs that parted from plain greedy,
+    how many the classifier called near-ties, and the fp32 margins of the others."""
+    from spectie.divergence import NEAR_TIE_LABEL, VERDICTS_KIND
+
+    rows = []
+    for record in records:
+        if record["kind"] != VERDICTS_KIND:
+            continue
+        parameters = record["parameters"]
+        for method in sorted({row["class"] for row in record["results"]["rows"]}):
+            mine = [row for row in record["results"]["rows"] if row["class"] == method]
+            outside = [row["fp32 margin"] for row in mine if row["verdict"] != NEAR_TIE_LABEL]
+            rows.append({"environment": parameters["engine_environment"], "vllm": parameters["engine_vllm"],
+                         "device": parameters["engine_device"], "model": parameters["model"], "method": method,
+                         "threshold": parameters["threshold"], "divergences": len(mine),
+                         "near_ties": len(mine) - len(outside), "outside": sorted(outside)})
+    return rows
+
+
+def trained_qwen_references(records: list[dict]) -> list[Reference]:
+    """Measured references of a trained Qwen3.5 model (not the organism, not a random-weight shape)."""
+    found = []
+    for record in records:
+        model = str(record.get("parameters", {}).get("model", ""))
+        if (record["provenance"] == "measured" and record["kind"] == "logit-comparison"
+                and "qwen3.5" in model.lower() and "shape" not in model.lower()):
+            found.append(reference(record))
+    return found
+
+
+def unmeasured_environments(records: list[dict], environments: dict[str, dict]) -> list[str]:
+    """The incident's environments that no measured record of this book ran in."""
+    measured = {env for r in records if r["provenance"] == "measured" for env in r["environments"]}
+    return [env_id for env_id, env in sorted(environments.items())
+            if env["named_in_incident"] and env_id not in measured]
+
+
+def _number(value: float) -> str:
+    return f"{value:.2f}"
+
+
+def reference_sentence(ref: Reference) -> str:
+    first, second = ref.tokens
+    winner = {True: first, False: second}
+    relation = "more than" if ref.swing > abs(ref.fp32) else "no more than"
+    where = f" at position {ref.position}" if ref.position is not None else ""
+    return (f"the incident's own transformers references{where} give {winner[ref.fp32 > 0]} the lead by "
+            f"{_number(abs(ref.fp32))} logits in fp32 and {winner[ref.bf16 > 0]} by {_number(abs(ref.bf16))} in "
+            f"bf16: precision alone moved the margin by {_number(ref.swing)} logits, {relation} the margin itself "
+            f"(reported, record `{ref.record_id}`)")
+
+
+def flip_sentence(curve: dict) -> str:
+    if not curve["flips"]:
+        return (f"on the organism ({curve['device']}), bf16 kept the {curve['reference']} reference's token at all "
+                f"{curve['decisions']} decisions measured (measured, record `{curve['record']}`)")
+    return (f"on the organism ({curve['device']}), bf16 took another token than the {curve['reference']} reference "
+            f"at {curve['flips']} of {curve['decisions']} decisions, every one with a reference margin of at most "
+            f"{curve['largest_flipped']:.3f} logits (measured, record `{curve['record']}`)")
+
+
+def divergence_sentence(row: dict) -> str:
+    head = (f"{row['method']} through vLLM {row['vllm']} ({row['device']}, {row['environment']}) on the "
+            f"{row['model']}: ")
+    if not row["outside"]:
+        return (head + f"all {row['divergences']} of its divergences from plain greedy are near-ties, inside the "
+                f"noise band of {row['threshold']:.3f} logits (measured)")
+    low, high = row["outside"][0], row["outside"][-1]
+    span = f"{low:.1f}" if f"{low:.1f}" == f"{high:.1f}" else f"{low:.1f} to {high:.1f}"
+    return (head + f"{len(row['outside'])} of its {row['divergences']} divergences from plain greedy lie outside "
+            f"the noise band of {row['threshold']:.3f} logits (fp32 margins {span}): a suspected correctness bug, "
+            "not a near-tie (measured)")
+
+
+def verdict(records: list[dict], environments: dict[str, dict]) -> Verdict:
+    """The answer to "is it a bug?", from the records.
+
+    A near-tie needs the incident's references to disagree on the winner (precision alone moves the margin
+    by more than the margin). Its evidence is strong only when a trained Qwen3.5 model measured here shows
+    the same; moderate when the reported plain-greedy run stops too and this project saw speculation through
+    real vLLM take the other side of near-ties without leaving the band; weak otherwise.
+    """
+    by_id = {r["id"]: r for r in records}
+    ref = reference(by_id[REFERENCE_ID]) if REFERENCE_ID in by_id else None
+    plain = by_id.get(PLAIN_ID)
+    plain_stops = bool(plain and plain["results"].get("stopped_early") and plain["results"].get("same_position_as"))
+    curves = flip_curves(records)
+    divergences = engine_divergences(records)
+    mechanism = [row for row in divergences if row["divergences"] and row["near_ties"]]
+    trained = [r for r in trained_qwen_references(records) if r.flipped]
+
+    result = Verdict(answer=NEAR_TIE if ref is not None and ref.flipped else NOT_SETTLED, strength=WEAK,
+                     why_strength="")
+    if ref is not None:
+        result.because.append(reference_sentence(ref))
+    else:
+        result.because.append("no record holds the incident's fp32 and bf16 references at the stop")
+    if plain is not None:
+        result.because.append("plain greedy decoding without speculation stops at the same position on B200: the "
+                              "stop is not speculation's own (reported, record `b200-plain-greedy`)" if plain_stops
+                              else "the reported plain-greedy run does not stop at the same position "
+                                   "(reported, record `b200-plain-greedy`)")
+    result.because += [flip_sentence(curve) for curve in curves]
+    result.because += [divergence_sentence(row) for row in mechanism if not row["outside"]]
+    result.caveats += [divergence_sentence(row) for row in divergences if row["outside"]]
+
+    if result.answer == NEAR_TIE and trained:
+        result.strength = STRONG
+        result.why_strength = "a trained Qwen3.5 model measured here shows the fp32 and bf16 winners disagree"
+    elif result.answer == NEAR_TIE and plain_stops and mechanism:
+        result.strength = MODERATE
+        result.why_strength = ("the near-tie is the incident's own reported measurement on the real model, and "
+                               "plain greedy stops there too (reported); this project reproduced the mechanism — "
+                               "speculation taking the other side of a near-tie through real vLLM, inside the "
+                               "noise band — on a tiny model only")
+    else:
+        result.why_strength = ("the records lack " + ", ".join(
+            need for need, have in (("references that disagree on the winner", ref is not None and ref.flipped),
+                                    ("a plain-greedy stop at the same position", plain_stops),
+                                    ("a measured speculative near-tie through vLLM", bool(mechanism))) if not have))
+
+    if not trained_qwen_references(records):
+        result.not_measured.append("no trained Qwen3.5 model was run here (no weights on our hosts): every "
+                                   "Qwen3.5 figure is the incident's, reported")
+    missing = unmeasured_environments(records, environments)
+    if missing:
+        result.not_measured.append("the incident's environments were not run here: " + ", ".join(
+            f"{environments[e]['title']}" for e in missing))
+    result.not_measured.append("random-weight Qwen3.5 shapes are not evidence for the verdict: their noise band "
+                               "scales with the logit spread chosen for random weights")
+    return result
+
+
+def bullets(lines: list[str]) -> str:
+    """A Markdown list of sentences, each capitalised and ended."""
+    return "\n".join(f"- {line[0].upper()}{line[1:]}." for line in lines)

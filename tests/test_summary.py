@@ -1,0 +1,89 @@
+"""The book's answer: a predicate over records, which turns when the records do."""
+
+import copy
+
+import pytest
+
+from spectie import summary
+from spectie.divergence import BUG_LABEL, NEAR_TIE_LABEL, VERDICTS_KIND
+from spectie.environments import load_environments
+from spectie.records import load_records, validate_record
+
+
+@pytest.fixture(scope="module")
+def reported():
+    return load_records(provenance="reported")
+
+
+def verdicts_record(method_verdicts: dict[str, list[tuple[str, float]]]) -> dict:
+    """A divergence-verdicts record as the guidance chapter writes it (validated against the schema)."""
+    rows = [{"case": f"{method}-k1 vs plain, seed {n}", "class": method, "verdict": verdict, "output token": 12,
+             "fp32 margin": margin, "threshold": 0.1}
+            for method, pairs in method_verdicts.items() for n, (verdict, margin) in enumerate(pairs)]
+    record = {"schema_version": 1, "id": "divergence-verdicts-v0-26-0-h200-x", "provenance": "measured",
+              "kind": VERDICTS_KIND, "chapter": "guidance", "title": "t", "environments": ["cpu"],
+              "parameters": {"model": "organism", "engine_environment": "v0.26.0-h200", "engine_vllm": "0.26.0",
+                             "engine_device": "NVIDIA H200", "threshold": 0.1185, "threshold_origin": "o"},
+              "results": {"rows": rows},
+              "fingerprint": {"host_id": "x", "os": "", "cpu": "", "gpu": None, "gpu_driver": None, "cuda": None,
+                              "python": "3", "torch": None, "transformers": None, "vllm": None, "dtype": "float32"},
+              "started_at": "2026-12-04T00:00:00+00:00", "finished_at": "2026-12-04T00:00:01+00:00",
+              "package_version": "0", "content_hash": "0" * 64}
+    return validate_record(record)
+
+
+def test_the_incidents_reference_is_a_near_tie_by_its_own_numbers(reported):
+    ref = summary.reference(next(r for r in reported if r["id"] == summary.REFERENCE_ID))
+    assert ref.tokens == ("EOS", "DATA") and ref.flipped
+    assert ref.fp32 == pytest.approx(0.67) and ref.bf16 == pytest.approx(-0.69) and ref.swing == pytest.approx(1.36)
+    assert "EOS the lead by 0.67 logits in fp32 and DATA by 0.69 in bf16" in summary.reference_sentence(ref)
+    assert "1.36 logits, more than the margin itself" in summary.reference_sentence(ref)
+
+
+def test_the_verdict_follows_the_records(reported):
+    envs = load_environments()
+    mechanism = verdicts_record({"mtp": [(NEAR_TIE_LABEL, 0.0)] * 3, "ngram_gpu": [(BUG_LABEL, 17.1), (BUG_LABEL, 25.9)]})
+    full = summary.verdict(reported + [mechanism], envs)
+    assert full.answer == summary.NEAR_TIE and full.strength == summary.MODERATE
+    assert any("mtp through vLLM 0.26.0" in line and "all 3 of its divergences" in line for line in full.because)
+    assert full.caveats == ["ngram_gpu through vLLM 0.26.0 (NVIDIA H200, v0.26.0-h200) on the organism: 2 of its 2 "
+                            "divergences from plain greedy lie outside the noise band of 0.118 logits (fp32 margins "
+                            "17.1 to 25.9): a suspected correctness bug, not a near-tie (measured)"]
+    # Without a measured speculative near-tie, the same reported evidence is weak, and says what it lacks.
+    alone = summary.verdict(reported, envs)
+    assert alone.answer == summary.NEAR_TIE and alone.strength == summary.WEAK
+    assert alone.why_strength == "the records lack a measured speculative near-tie through vLLM"
+    # References that agree on the winner settle nothing.
+    agreeing = copy.deepcopy(reported)
+    ref = next(r for r in agreeing if r["id"] == summary.REFERENCE_ID)
+    bf16 = next(row for row in ref["results"]["rows"] if row["dtype"] == "bf16")
+    bf16["logits"], bf16["winner"], bf16["margin"] = {"EOS": 16.2, "DATA": 15.9}, "EOS", 0.3
+    settled = summary.verdict(agreeing + [mechanism], envs)
+    assert settled.answer == summary.NOT_SETTLED and settled.strength == summary.WEAK
+    assert "no more than the margin itself" in settled.because[0]
+    # A plain-greedy run that goes on takes the moderate strength away.
+    going_on = copy.deepcopy(reported)
+    next(r for r in going_on if r["id"] == summary.PLAIN_ID)["results"]["stopped_early"] = False
+    weaker = summary.verdict(going_on + [mechanism], envs)
+    assert weaker.strength == summary.WEAK and "does not stop at the same position" in weaker.because[1]
+
+
+def test_a_trained_qwen_measured_here_makes_it_strong_and_leaves_the_not_measured_list(reported):
+    envs = load_environments()
+    measured = copy.deepcopy(next(r for r in reported if r["id"] == summary.REFERENCE_ID))
+    measured.update(provenance="measured", id="margins-x", environments=["v0.32.0-rtx4090"],
+                    parameters={"model": "Qwen/Qwen3.5-2B"})
+    result = summary.verdict(reported + [measured], envs)
+    assert result.strength == summary.STRONG
+    assert not any("no trained Qwen3.5" in line for line in result.not_measured)
+    assert "v0.32.0 stock wheel on RTX 4090" not in " ".join(result.not_measured)
+    assert "v0.32.0 stock wheel on RTX 4090" in " ".join(summary.verdict(reported, envs).not_measured)
+
+
+def test_flip_curves_count_flips_and_the_largest_flipped_margin():
+    record = {"kind": "flip-curve", "provenance": "measured", "id": "f", "fingerprint": {"gpu": None},
+              "parameters": {"model": "organism"},
+              "results": {"pairs": [[0.01, True], [0.04, True], [2.0, False]], "reference": "fp64"}}
+    [row] = summary.flip_curves([record])
+    assert (row["device"], row["decisions"], row["flips"], row["largest_flipped"]) == ("CPU", 3, 2, 0.04)
+    assert "at 2 of 3 decisions, every one with a reference margin of at most 0.040 logits" in summary.flip_sentence(row)
