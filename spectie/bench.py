@@ -42,13 +42,16 @@ def best_time(fn, device: str, repeats: int) -> float:
     return min(timed() for _ in range(repeats))
 
 
+GPU_MATMUL_SIZE, CPU_MATMUL_SIZE = 8192, 1024  # the square matmul whose rate is measured
+
+
 def matmul_rate(device: str, dtype: str = "bfloat16", size: int | None = None, repeats: int = 5) -> float:
     """FLOP/s of one square matmul of `size` (8192 on a GPU, 1024 on CPU) in `dtype`."""
     import torch
 
     from spectie.margins import torch_dtype
 
-    size = size or (8192 if device.startswith("cuda") else 1024)
+    size = size or (GPU_MATMUL_SIZE if device.startswith("cuda") else CPU_MATMUL_SIZE)
     a = torch.randn(size, size, device=device, dtype=torch_dtype(dtype))
     b = torch.randn(size, size, device=device, dtype=torch_dtype(dtype))
     return 2 * size**3 / best_time(lambda: a @ b, device, repeats)
@@ -170,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             results = run(args.model, args.device, args.dtypes.split(","), SHAPES, args.prompt_tokens, args.new_tokens,
                           args.repeats)
             if results["bf16_matmul_flops_per_s"]:
-                print(f"bf16 matmul rate (8192^3): {results['bf16_matmul_flops_per_s'] / 1e12:.1f} TFLOP/s")
+                print(f"bf16 matmul rate ({GPU_MATMUL_SIZE}^3): {results['bf16_matmul_flops_per_s'] / 1e12:.1f} TFLOP/s")
             dump = {"results": results, "started_at": started_at, "finished_at": now(),
                     "fingerprint": environment_fingerprint(args.dtypes, args.model),
                     "content_hash": current_hash("reduction_order")}

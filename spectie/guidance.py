@@ -74,9 +74,9 @@ def suspected_text(results: list[tuple[dict, divergence.Divergence]]) -> str:
     text = ("the classifier calls " + ", ".join(parts) + " a suspected correctness bug: numerics move a margin by "
             "tenths of a logit, not by several logits.")
     if any(record["parameters"]["method"] in ("ngram", "ngram_gpu") for record, _ in suspected):
-        text += (" This is what vLLM #39273 reports for ngram speculation on Qwen3.5 (a GDN state read from the wrong "
-                 "slot after accepted drafts; reported, not verified here): with ngram, check that your vLLM carries "
-                 "its fixes before putting an early stop down to a tie.")
+        text += (" vLLM #39273 reports a bug of this class for ngram speculation on Qwen3.5 (a GDN state read from the "
+                 "wrong slot after accepted drafts; reported, not verified here on Qwen3.5 weights): with ngram, check "
+                 "that your vLLM carries its fixes before putting an early stop down to a tie.")
     return text
 
 

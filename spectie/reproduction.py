@@ -166,6 +166,9 @@ def repeat_grid(records: list[dict], max_tokens: int, title: str):
     return fig
 
 
+CONTEXT_TOKENS = 6  # tokens shown before a divergence
+
+
 def divergences(records: list[dict], baseline: str | None, pieces) -> list[dict]:
     """For each distinct output that differs from the baseline: the first differing token on each side, at
 its 1-based output token.
@@ -183,7 +186,7 @@ its 1-based output token.
             at = x["first_divergence"]
             ids = x["token_ids"]
             rows.append({"configuration": r["parameters"]["configuration"], "output token": at + 1,
-                         "context": " ".join(pieces(reference[max(0, at - 6):at])),
+                         "context": " ".join(pieces(reference[max(0, at - CONTEXT_TOKENS):at])),
                          f"{baseline} wrote": " ".join(pieces(reference[at:at + 1])) or "(ended)",
                          "this wrote": " ".join(pieces(ids[at:at + 1])) or "(ended)",
                          "output tokens": x["output_tokens"], f"{baseline} output tokens": len(reference)})
