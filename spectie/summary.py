@@ -138,16 +138,17 @@ def flip_sentence(curve: dict) -> str:
 
 
 def divergence_sentence(row: dict) -> str:
-    head = (f"{row['method']} through vLLM {row['vllm']} ({row['device']}, {row['environment']}) on the "
-            f"{row['model']}: ")
+    head = (f"speculation by {row['method']} through vLLM {row['vllm']} ({row['device']}, {row['environment']}) on "
+            f"the {row['model']}: ")
     if not row["outside"]:
-        return (head + f"all {row['divergences']} of its divergences from plain greedy are near-ties, inside the "
-                f"noise band of {row['threshold']:.3f} logits (measured)")
-    low, high = row["outside"][0], row["outside"][-1]
-    span = f"{low:.1f}" if f"{low:.1f}" == f"{high:.1f}" else f"{low:.1f} to {high:.1f}"
-    return (head + f"{len(row['outside'])} of its {row['divergences']} divergences from plain greedy lie outside "
-            f"the noise band of {row['threshold']:.3f} logits (fp32 margins {span}): a suspected correctness bug, "
-            "not a near-tie (measured)")
+        which = ("its one divergence from plain greedy is a near-tie" if row["divergences"] == 1 else
+                 f"all {row['divergences']} of its divergences from plain greedy are near-ties")
+        return head + f"{which}, inside the noise band of {row['threshold']:.3f} logits (measured)"
+    worst = max(abs(margin) for margin in row["outside"])
+    return (head + f"{len(row['outside'])} of its {row['divergences']} divergences from plain greedy write tokens "
+            f"that trail the fp32 reference's choice by more than the noise band of {row['threshold']:.3f} logits "
+            f"(up to {worst:.1f} logits at the token where they part): a suspected correctness bug, not a near-tie "
+            "(measured)")
 
 
 def verdict(records: list[dict], environments: dict[str, dict]) -> Verdict:

@@ -42,13 +42,15 @@ def test_the_incidents_reference_is_a_near_tie_by_its_own_numbers(reported):
 
 def test_the_verdict_follows_the_records(reported):
     envs = load_environments()
-    mechanism = verdicts_record({"mtp": [(NEAR_TIE_LABEL, 0.0)] * 3, "ngram_gpu": [(BUG_LABEL, 17.1), (BUG_LABEL, 25.9)]})
+    mechanism = verdicts_record({"mtp": [(NEAR_TIE_LABEL, 0.0)] * 3, "ngram_gpu": [(BUG_LABEL, -17.1), (BUG_LABEL, -25.9)]})
     full = summary.verdict(reported + [mechanism], envs)
     assert full.answer == summary.NEAR_TIE and full.strength == summary.MODERATE
-    assert any("mtp through vLLM 0.26.0" in line and "all 3 of its divergences" in line for line in full.because)
-    assert full.caveats == ["ngram_gpu through vLLM 0.26.0 (NVIDIA H200, v0.26.0-h200) on the organism: 2 of its 2 "
-                            "divergences from plain greedy lie outside the noise band of 0.118 logits (fp32 margins "
-                            "17.1 to 25.9): a suspected correctness bug, not a near-tie (measured)"]
+    assert any("speculation by mtp through vLLM 0.26.0" in line and "all 3 of its divergences" in line
+               for line in full.because)
+    assert full.caveats == ["speculation by ngram_gpu through vLLM 0.26.0 (NVIDIA H200, v0.26.0-h200) on the organism: "
+                            "2 of its 2 divergences from plain greedy write tokens that trail the fp32 reference's "
+                            "choice by more than the noise band of 0.118 logits (up to 25.9 logits at the token where "
+                            "they part): a suspected correctness bug, not a near-tie (measured)"]
     # Without a measured speculative near-tie, the same reported evidence is weak, and says what it lacks.
     alone = summary.verdict(reported, envs)
     assert alone.answer == summary.NEAR_TIE and alone.strength == summary.WEAK
