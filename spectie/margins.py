@@ -333,9 +333,12 @@ class MarginsSetup:
     def decode(self, token: int) -> str:
         return self.tokenizer.decode([token])
 
-    def describe(self) -> dict:
-        return {"model": self.model, "device": self.device, "serving_dtype": self.serving_dtype,
-                "dtypes": self.dtypes, "watch": self.watch, "eos_ids": self.eos_ids}
+    def describe(self) -> str:
+        """One line for a reader: what is loaded, where, and what is watched."""
+        watched = ", ".join(f"{token} (id {token_id})" for token, token_id in self.watch.items())
+        return (f"{self.model} on {self.device}: generates in {self.serving_dtype}, compares "
+                f"{', '.join(self.dtypes)}; watches {watched}; end-of-text ids "
+                f"{', '.join(str(i) for i in self.eos_ids)}")
 
 
 def prepare(model: str, device: str, watch_tokens: list[str], serving_dtype: str,

@@ -7,6 +7,7 @@ incident. Nothing here runs an engine.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 import pandas as pd
@@ -91,15 +92,24 @@ def runs_table(records: list[dict]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def error_lines(record: dict, lines: int = 6) -> str:
-    """The last lines of vLLM's own error for a configuration that did not run, and its root cause."""
+FRAME = re.compile(r'\s*File "(?P<path>[^"]+)", line \d+, in (?P<function>\S+)')
+
+
+def error_lines(record: dict) -> str:
+    """vLLM's own error for a configuration that did not run: its message, the innermost frame that raised it
+    (named inside its package, not by this host's paths) and the root cause the engine's log names."""
     error = record["results"].get("error")
     if not error:
         return ""
-    tail = [line for line in error.get("traceback_tail") or [] if line.strip()][-lines:]
+    frames = [m for m in map(FRAME.match, error.get("traceback_tail") or []) if m]
+    where = None
+    if frames:
+        path = frames[-1]["path"]
+        where = f"raised in {path.split('site-packages/')[-1] if 'site-packages/' in path else Path(path).name}" \
+                f" ({frames[-1]['function']})"
     cause = root_cause(error)
-    return "\n".join([f"{error['type']} during {error['phase']}: {error['message'][-400:]}", *tail,
-                      *([f"root cause (engine log): {cause}"] if cause else [])])
+    return "\n".join([f"{error['type']} during {error['phase']}: {error['message'][-400:]}",
+                      *([where] if where else []), *([f"root cause (engine log): {cause}"] if cause else [])])
 
 
 def side_by_side(reported: list[dict], measured: list[dict]) -> pd.DataFrame:

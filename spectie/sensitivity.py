@@ -384,19 +384,62 @@ def recorded_band_points() -> list[dict]:
     return band_points(load_records(chapter="reduction_order", kind="reduction-sweep"))
 
 
+def order_band(row: dict, full: dict) -> float:
+    """How far the order of the sums alone moves the reference's top-2 margin: the band (same quantile) of a
+    shape's margin against the `full` shape's in the same precision and kernels. Both moves are measured
+    from the fp32 reference's margin at the same positions, so the reference cancels."""
+    import numpy as np
+
+    moved = np.abs(np.asarray(row["margin_shifts"]) - np.asarray(full["margin_shifts"]))
+    return float(np.quantile(moved, BAND_QUANTILE))
+
+
 def band_points(records: list[dict]) -> list[dict]:
     """Noise band per model and precision (the widest over shapes), torch kernels with TF32 off and,
-    where measured, the fast kernels: what a `noise band vs model size` plot needs."""
+    where measured, the fast kernels: what a `noise band vs model size` plot needs. Each band is split in
+    two: `precision`, the `full` shape against the fp32 reference (the same order of sums, another
+    precision), and `order`, the widest other shape against `full` in the same precision (another order of
+    sums alone); `band`, against the fp32 reference, holds both."""
     points = []
     for record in records:
         rows = record["results"]["rows"]
         for (kernels, tf32, dtype) in sorted({(r["kernels"], r["tf32"], r["dtype"]) for r in rows}):
             chosen = [r for r in rows if (r["kernels"], r["tf32"], r["dtype"]) == (kernels, tf32, dtype)]
+            full = next((r for r in chosen if r["shape"] == "full"), None)
+            others = [r for r in chosen if r is not full]
             points.append({"label": f"{model_label(record)} · {record['fingerprint'].get('gpu') or 'CPU'}"
                                     f" · {kernels}{' TF32' if tf32 else ''}",
                            "weights": weights_of(record),
                            "model_sha256": record["fingerprint"].get("model_sha256"),
                            "gpu": record["fingerprint"].get("gpu"),
                            "parameters": record["results"].get("model_parameters") or 0, "dtype": dtype,
-                           "kernels": kernels, "tf32": tf32, "band": max(r["noise_band"] for r in chosen)})
+                           "kernels": kernels, "tf32": tf32, "band": max(r["noise_band"] for r in chosen),
+                           "precision": full["noise_band"] if full else None,
+                           "order": max((order_band(r, full) for r in others), default=None) if full else None})
     return points
+
+
+def trend(values: list[float]) -> str:
+    """How a sequence of bands moves with size, in words a sentence can carry ("grows with" ...)."""
+    if len(values) < 2:
+        return "cannot show a trend with (fewer than two models recorded)"
+    steps = [b - a for a, b in zip(values, values[1:])]
+    if all(step > 0 for step in steps):
+        return "grows with"
+    if all(step < 0 for step in steps):
+        return "shrinks with"
+    return "does not move steadily with"
+
+
+def incident_reach(margin: float, point: dict) -> str:
+    """Where a margin falls against a model's bands: inside the order band (two bf16 computations can
+    disagree), inside only the band against fp32 (an fp32 reference and a bf16 server can), or outside."""
+    label = point["label"]
+    if point.get("order") is not None and margin <= point["order"]:
+        return (f"it lies inside the band of the order of sums alone of {label}: at that scale two bf16 computations "
+                "(plain and speculative decoding) can take opposite sides of a tie of that size")
+    if margin <= point["band"]:
+        return (f"it lies inside the band against fp32 of {label} but outside its band of the order of sums alone: "
+                "at that scale an fp32 reference and a bf16 server can disagree on a tie of that size, two bf16 "
+                "computations would not")
+    return f"it lies outside every band of {label}: at that scale neither precision nor order would swap it"

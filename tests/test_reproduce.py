@@ -542,3 +542,15 @@ def test_the_parting_plot_puts_one_dot_per_prompt_where_it_first_parts():
     assert dots[2] == [(5, 1), (12, 1)]  # ngram: output tokens 5 and 12 (1-based)
     texts = [t.get_text() for t in ax.texts]
     assert "1× same to the end" in texts and "no generation recorded (unsupported)" in texts
+
+
+def test_a_failed_configuration_shows_vllms_message_and_where_not_this_hosts_paths():
+    from spectie.reproduction import error_lines
+
+    error = {"type": "RuntimeError", "phase": "engine", "message": "pin_memory=True requires a CUDA backend.",
+             "traceback_tail": ['  File "/home/me/.venv/lib/python3.11/site-packages/vllm/v1/worker/gpu_model_runner.py",'
+                                ' line 628, in __init__', "    self._buf = torch.zeros(", "                ^^^^",
+                                "RuntimeError: pin_memory=True requires a CUDA backend."], "log_tail": []}
+    text = error_lines({"results": {"error": error}})
+    assert text == ("RuntimeError during engine: pin_memory=True requires a CUDA backend.\n"
+                    "raised in vllm/v1/worker/gpu_model_runner.py (__init__)")

@@ -126,3 +126,23 @@ def test_an_fp32_head_computes_the_logits_in_fp32_on_the_bf16_body():
         a, b = plain.lm_head(hidden), fp32.lm_head(hidden)
     assert a.dtype == torch.bfloat16 and b.dtype == torch.float32
     assert torch.allclose(a.float(), b, atol=0.25) and not torch.equal(a.float(), b)  # same head, not rounded
+
+
+def test_a_band_against_fp32_is_split_into_precision_and_the_order_of_sums():
+    """`full` in bf16 against fp32 is the precision; another bf16 shape against bf16 `full` is the order alone."""
+    from spectie.sensitivity import band_points, incident_reach, order_band, trend
+
+    def row(shape, shifts):
+        return {"kernels": "torch", "tf32": False, "dtype": "bfloat16", "shape": shape, "margin_shifts": shifts,
+                "noise_band": max(abs(x) for x in shifts)}
+
+    full, verify = row("full", [0.5, -0.5, 0.5]), row("verify-7", [0.5, -0.25, 0.75])
+    assert order_band(verify, full) == pytest.approx(0.25, abs=0.01)
+    record = {"results": {"rows": [full, verify], "model_parameters": 10}, "fingerprint": {"gpu": None},
+              "parameters": {"model": "m"}}
+    [point] = band_points([record])
+    assert point["band"] == 0.75 and point["precision"] == 0.5 and point["order"] == pytest.approx(0.25, abs=0.01)
+    assert incident_reach(0.2, point).startswith("it lies inside the band of the order of sums alone")
+    assert "an fp32 reference and a bf16 server can disagree" in incident_reach(0.67, point)
+    assert incident_reach(0.9, point).startswith("it lies outside every band")
+    assert trend([0.38, 0.59, 0.73]) == "grows with" and trend([0.58, 0.57, 0.8]) == "does not move steadily with"
