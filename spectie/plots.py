@@ -153,6 +153,28 @@ def band_by_model(points: list[dict], incident_margin: float | None, title: str)
     return _finish(fig, ax, title)
 
 
+def band_by_spread(points: list[dict], incident_margin: float, title: str):
+    """One random-weight shape's bf16 bands (TF32 off, torch kernels) against the logit spread its weights
+    were scaled to: against fp32, precision alone and the order of sums alone; the median top-1 logit of the
+    fp32 reference above each point (the incident's were about 16, reported)."""
+    fig, ax = plt.subplots(figsize=(9, 3.4))
+    chosen = sorted(points, key=lambda p: p["logit_std"])
+    x = [p["logit_std"] for p in chosen]
+    for key, name, style in (("band", "against fp32", "-"), ("precision", "precision alone (full vs fp32)", "--"),
+                             ("order", "order of sums alone (widest shape vs full)", ":")):
+        ax.plot(x, [p[key] for p in chosen], marker="o", linestyle=style, label=name)
+    for p in chosen:
+        if p.get("top1_median") is not None:
+            ax.annotate(f"top-1 ≈ {p['top1_median']:.1f}", (p["logit_std"], p["band"]), textcoords="offset points",
+                        xytext=(0, 6), ha="center", fontsize=7)
+    ax.axhline(incident_margin, color="black", linestyle="--", linewidth=1,
+               label=f"incident's fp32 margin ({incident_margin:.2f}, reported)")
+    ax.set_xlabel("logit spread of the random weights (standard deviation over the vocabulary)")
+    ax.set_ylabel("bf16 band (logits)")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    return _finish(fig, ax, title)
+
+
 def stop_margins(margins: dict[str, list[float]], threshold: float, bands: dict[str, float], title: str):
     """Stop-token margins of a tie-stop survey (`margins`: "ordinary" and "moved" stops), one dot per stop,
     against the detector's threshold and other noise bands (`bands`: label -> logits) as vertical lines."""

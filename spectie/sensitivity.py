@@ -334,8 +334,29 @@ def sweep(model: str, device: str, dtypes: list[str], shapes: list[str], kernels
                {"kind": qwen_shapes.LABEL, "seed": source.seed, "logit_std": logit_std, "logit_scale": source.scale})
     return {"prompt": prompt.describe(), "output_tokens": len(generation.output_ids), "model_parameters": parameter_count,
             "weights": weights, "finish_reason": generation.finish_reason, "positions": len(positions),
+            "reference_logits": logit_magnitudes(reference),
             "reference": {"dtype": reference_dtype, "shape": "full", "kernels": "torch", "tf32": False},
             "rows": rows}
+
+
+def logit_magnitudes(reference) -> dict:
+    """How large the reference's logits are at the scored positions (median over positions): its top-1
+    logit, the gap to its runner-up, the spread over the vocabulary. A random-weight shape's band scales with
+    them; the incident's own top-2 logits were about 16 (reported), which calibrates the spread."""
+    import torch
+
+    top2 = reference.topk(2, dim=1).values
+    return {"top1_median": float(top2[:, 0].median()), "top2_gap_median": float((top2[:, 0] - top2[:, 1]).median()),
+            "std_median": float(reference.std(dim=1).median())}
+
+
+def spread_suffix(record: dict) -> str:
+    """A random-weight shape's logit spread, when it is not the default one (records and labels name it)."""
+    weights = record["results"].get("weights", {})
+    if weights.get("kind") != qwen_shapes.LABEL or weights.get("logit_std", qwen_shapes.DEFAULT_LOGIT_STD) == \
+            qwen_shapes.DEFAULT_LOGIT_STD:
+        return ""
+    return f"logit spread {weights['logit_std']:g}"
 
 
 def measured_sweep_record(dump: dict, environment: str, chapter: str = "reduction_order") -> dict:
@@ -345,8 +366,11 @@ def measured_sweep_record(dump: dict, environment: str, chapter: str = "reductio
     host = dump["fingerprint"]["host_id"]
     model = dump["parameters"]["model"]
     label = f"{model} ({qwen_shapes.LABEL})" if weights_of(dump) == qwen_shapes.LABEL else model
+    spread = spread_suffix(dump)
+    name = f"{chapter}-{environment}-{model}-{host}" + (f"-spread-{dump['results']['weights']['logit_std']:g}"
+                                                        if spread else "")
     return {
-        "schema_version": 1, "id": f"{chapter}-{environment}-{model}-{host}".replace("_", "-").replace(".", "-"),
+        "schema_version": 1, "id": name.replace("_", "-").replace(".", "-"),
         "provenance": "measured", "kind": "reduction-sweep", "chapter": chapter,
         "title": f"Reduction-order sweep of {label} ({dump['parameters']['device']})",
         "environments": [environment], "parameters": dump["parameters"], "results": dump["results"],
@@ -366,7 +390,10 @@ def model_label(record: dict) -> str:
     from spectie.records import model_name
 
     model = record["parameters"]["model"]
-    return f"{model} (random weights)" if weights_of(record) == qwen_shapes.LABEL else model_name(record)
+    spread = spread_suffix(record)
+    if weights_of(record) == qwen_shapes.LABEL:
+        return f"{model} (random weights{', ' + spread if spread else ''})"
+    return model_name(record)
 
 
 def summary_rows(record: dict) -> list[dict]:
@@ -414,6 +441,8 @@ def band_points(records: list[dict]) -> list[dict]:
                            "gpu": record["fingerprint"].get("gpu"),
                            "parameters": record["results"].get("model_parameters") or 0, "dtype": dtype,
                            "kernels": kernels, "tf32": tf32, "band": max(r["noise_band"] for r in chosen),
+                           "logit_std": record["results"].get("weights", {}).get("logit_std"),
+                           "top1_median": record["results"].get("reference_logits", {}).get("top1_median"),
                            "precision": full["noise_band"] if full else None,
                            "order": max((order_band(r, full) for r in others), default=None) if full else None})
     return points
@@ -443,3 +472,23 @@ def incident_reach(margin: float, point: dict) -> str:
                 "at that scale an fp32 reference and a bf16 server can disagree on a tie of that size, two bf16 "
                 "computations would not")
     return f"it lies outside every band of {label}: at that scale neither precision nor order would swap it"
+
+
+def spread_points(points: list[dict], model: str) -> list[dict]:
+    """The bf16 band points (torch kernels, TF32 off) of one random-weight shape, one per logit spread."""
+    return [p for p in points if p["label"].startswith(f"{model} (random weights") and p["dtype"] == "bfloat16"
+            and p["kernels"] == "torch" and not p["tf32"] and p.get("logit_std") is not None]
+
+
+def calibration_text(points: list[dict], top1: float) -> str:
+    """Which recorded logit spread gives the fp32 reference a median top-1 logit nearest `top1` (the
+    incident's top logit), and its bands; or why none can be said."""
+    known = [p for p in points if p.get("top1_median") is not None]
+    if not known:
+        return ("no sweep of this shape records its logits' magnitudes, so no spread is calibrated to the "
+                "incident's")
+    best = min(known, key=lambda p: abs(p["top1_median"] - top1))
+    return (f"of the spreads recorded, {best['logit_std']:g} gives the fp32 reference a median top-1 logit of "
+            f"{best['top1_median']:.1f}, the nearest to the incident's top logit at its stop ({top1:.2f}, reported); there the band against fp32 is "
+            f"{best['band']:.3f} logits, precision alone {best['precision']:.3f} and the order of sums alone "
+            f"{best['order']:.3f}")
