@@ -98,8 +98,8 @@ def entry_point() -> str:
 
 def source_revision() -> dict:
     """The project's git commit and whether tracked files other than results/ differ from it (a record
-    made from uncommitted code says so). Without git: the commit named by SPECTIE_SOURCE_COMMIT, dirty
-    unknown."""
+    made from uncommitted code says so). SPECTIE_SOURCE_COMMIT, where set, names the commit of a copied tree
+    whose .git is absent or stale (measured on the H200: its copy kept an older HEAD): dirty is then unknown."""
     from spectie.paths import project_root
 
     root = project_root()
@@ -111,9 +111,12 @@ def source_revision() -> dict:
         except (OSError, subprocess.SubprocessError):
             return None
 
+    stated = os.environ.get(COMMIT_VARIABLE)
     commit = git("rev-parse", "HEAD") if (root / ".git").exists() else None
+    if stated and stated != commit:  # a copy of a tree whose .git is absent or not its own (a carried checkout)
+        return {"commit": stated, "dirty": None}
     if commit is None:
-        return {"commit": os.environ.get(COMMIT_VARIABLE) or None, "dirty": None}
+        return {"commit": None, "dirty": None}
     changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results")
     return {"commit": commit, "dirty": None if changed is None else bool(changed)}
 

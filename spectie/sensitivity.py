@@ -481,14 +481,29 @@ def spread_points(points: list[dict], model: str) -> list[dict]:
 
 
 def calibration_text(points: list[dict], top1: float) -> str:
-    """Which recorded logit spread gives the fp32 reference a median top-1 logit nearest `top1` (the
-    incident's top logit), and its bands; or why none can be said."""
-    known = [p for p in points if p.get("top1_median") is not None]
+    """Where the incident's top logit (`top1`, reported, at its stop) falls among the median top-1 logits of
+    the fp32 references of the recorded spreads, and the bands there; or why it cannot be said. A median over
+    positions against one position's logit: a rough calibration, and said so."""
+    known = sorted((p for p in points if p.get("top1_median") is not None), key=lambda p: p["top1_median"])
     if not known:
         return ("no sweep of this shape records its logits' magnitudes, so no spread is calibrated to the "
                 "incident's")
-    best = min(known, key=lambda p: abs(p["top1_median"] - top1))
-    return (f"of the spreads recorded, {best['logit_std']:g} gives the fp32 reference a median top-1 logit of "
-            f"{best['top1_median']:.1f}, the nearest to the incident's top logit at its stop ({top1:.2f}, reported); there the band against fp32 is "
-            f"{best['band']:.3f} logits, precision alone {best['precision']:.3f} and the order of sums alone "
-            f"{best['order']:.3f}")
+    below = [p for p in known if p["top1_median"] <= top1]
+    above = [p for p in known if p["top1_median"] > top1]
+    if not below or not above:
+        best = (below or above)[-1 if below else 0]
+        side = "above" if below else "below"
+        return (f"the incident's top logit at its stop ({top1:.2f}, reported) lies {side} the median top-1 logit of "
+                f"every spread recorded; the nearest, spread {best['logit_std']:g} (top-1 {best['top1_median']:.1f}), "
+                f"has a band against fp32 of {best['band']:.3f} logits, precision alone {best['precision']:.3f} and "
+                f"the order of sums alone {best['order']:.3f}")
+    low, high = below[-1], above[0]
+
+    def span(key):
+        return f"{low[key]:.3f} to {high[key]:.3f}"
+
+    return (f"the incident's top logit at its stop ({top1:.2f}, reported) lies between the median top-1 logits of "
+            f"the fp32 references at spreads {low['logit_std']:g} ({low['top1_median']:.1f}) and "
+            f"{high['logit_std']:g} ({high['top1_median']:.1f}); there the band against fp32 runs from "
+            f"{span('band')} logits, precision alone from {span('precision')} and the order of sums alone from "
+            f"{span('order')} (a median over positions set against one position's logit: a rough calibration)")

@@ -205,9 +205,27 @@ def verdict(records: list[dict], environments: dict[str, dict]) -> Verdict:
     if missing:
         result.not_measured.append("the incident's environments were not run here: " + ", ".join(
             f"{environments[e]['title']}" for e in missing))
-    result.not_measured.append("random-weight Qwen3.5 shapes are not evidence for the verdict: their noise band "
-                               "scales with the logit spread chosen for random weights")
+    result.not_measured.append(spread_sentence(records))
     return result
+
+
+SPREAD_SHAPE = "qwen3.5-9b-shape"
+
+
+def spread_sentence(records: list[dict]) -> str:
+    """Why the random-weight shapes are not evidence: how far one shape's band of the order of sums moves
+    with the logit spread of its weights, from its records."""
+    from spectie.sensitivity import band_points, spread_points
+
+    sweeps = [r for r in records if r["kind"] == "reduction-sweep"]
+    points = sorted(spread_points(band_points(sweeps), SPREAD_SHAPE), key=lambda p: p["logit_std"])
+    head = "random-weight Qwen3.5 shapes are not evidence for the verdict: their bands scale with the logit spread "
+    if len(points) < 2:
+        return head + "chosen for random weights (one spread recorded, so how far is not measured)"
+    low, high = points[0], points[-1]
+    return head + (f"chosen for random weights ({SPREAD_SHAPE}, bf16: the order of sums alone moves a margin by "
+                   f"{low['order']:.2f} logits at spread {low['logit_std']:g} and {high['order']:.2f} at spread "
+                   f"{high['logit_std']:g}, measured)")
 
 
 def bullets(lines: list[str]) -> str:

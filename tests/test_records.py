@@ -191,6 +191,8 @@ def test_records_say_which_code_made_them_and_how(monkeypatch):
     monkeypatch.delenv(fingerprint.ENTRY_VARIABLE)
     monkeypatch.setattr(sys, "argv", [str(root / "scripts" / "margins_without_papermill.py")])
     assert fingerprint.entry_point() == "scripts/margins_without_papermill.py"
+    monkeypatch.setenv(fingerprint.COMMIT_VARIABLE, "1" * 40)  # a carried tree whose .git is stale: stated wins
+    assert fingerprint.source_revision() == {"commit": "1" * 40, "dirty": None}
     monkeypatch.setattr(fingerprint, "project_root", lambda: root / "nowhere", raising=False)
     monkeypatch.setattr("spectie.paths.project_root", lambda: root / "nowhere")
     monkeypatch.setenv(fingerprint.COMMIT_VARIABLE, "0" * 40)

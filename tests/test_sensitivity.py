@@ -146,3 +146,27 @@ def test_a_band_against_fp32_is_split_into_precision_and_the_order_of_sums():
     assert "an fp32 reference and a bf16 server can disagree" in incident_reach(0.67, point)
     assert incident_reach(0.9, point).startswith("it lies outside every band")
     assert trend([0.38, 0.59, 0.73]) == "grows with" and trend([0.58, 0.57, 0.8]) == "does not move steadily with"
+
+
+def test_a_shapes_spread_is_named_and_calibrated_to_the_incidents_top_logit():
+    from spectie import qwen_shapes
+    from spectie.sensitivity import calibration_text, measured_sweep_record, model_label
+
+    def point(std, top1, band):
+        return {"logit_std": std, "top1_median": top1, "band": band, "precision": band - 0.1, "order": band - 0.2}
+
+    points = [point(2.25, 10.2, 0.47), point(4.5, 20.4, 0.95), point(3.0, None, 0.74)]
+    text = calibration_text(points, 16.47)
+    assert "between the median top-1 logits of the fp32 references at spreads 2.25 (10.2) and 4.5 (20.4)" in text
+    assert "the order of sums alone from 0.270 to 0.750" in text
+    assert "lies above the median top-1 logit of every spread recorded; the nearest, spread 4.5" in \
+        calibration_text(points, 30.0)
+    assert calibration_text(points[2:], 16.47).startswith("no sweep of this shape records")
+    dump = {"parameters": {"model": "qwen3.5-9b-shape", "device": "cuda"}, "fingerprint": {"host_id": "h"},
+            "results": {"weights": {"kind": qwen_shapes.LABEL, "logit_std": 4.5}}, "started_at": "t",
+            "finished_at": "t", "content_hash": "0" * 64}
+    record = measured_sweep_record(dump, "h200")
+    assert record["id"] == "reduction-order-h200-qwen3-5-9b-shape-h-spread-4-5"
+    assert model_label(record) == "qwen3.5-9b-shape (random weights, logit spread 4.5)"
+    dump["results"]["weights"]["logit_std"] = qwen_shapes.DEFAULT_LOGIT_STD
+    assert measured_sweep_record(dump, "h200")["id"] == "reduction-order-h200-qwen3-5-9b-shape-h"
