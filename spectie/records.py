@@ -157,3 +157,27 @@ def same_weights(record: dict, model: str) -> bool:
     if record["parameters"].get("model") != model:
         return False
     return record.get("fingerprint", {}).get("model_sha256") == model_digest(model)
+
+
+def provenance_line(records: list[dict]) -> str:
+    """One line saying where the records behind a figure or table came from: how many are reported and
+    measured, on which devices and hosts, from which project commits (dirty ones marked) and with which
+    torch, transformers and vLLM. Unknown fields are said to be unknown, never left out."""
+    reported = [r for r in records if r["provenance"] == "reported"]
+    measured = [r for r in records if r["provenance"] == "measured"]
+    parts = []
+    if reported:
+        parts.append(f"{len(reported)} reported (the incident)")
+    if measured:
+        prints = [r["fingerprint"] for r in measured]
+        hosts = sorted({f"{f.get('gpu') or 'CPU'} (host {f['host_id']})" for f in prints})
+        commits = sorted({"unknown" if not f.get("source_commit") else
+                          f["source_commit"][:7] + (" (uncommitted changes)" if f.get("source_dirty") else "")
+                          for f in prints})
+
+        def versions(key):
+            return "/".join(sorted({str(f.get(key)) for f in prints if f.get(key)})) or "none"
+
+        parts.append(f"{len(measured)} measured on {', '.join(hosts)}; commit {', '.join(commits)}; torch "
+                     f"{versions('torch')}, transformers {versions('transformers')}, vLLM {versions('vllm')}")
+    return "Records: " + ("; ".join(parts) if parts else "none") + "."

@@ -197,3 +197,16 @@ def test_records_say_which_code_made_them_and_how(monkeypatch):
     monkeypatch.setattr("spectie.paths.project_root", lambda: root / "nowhere")
     monkeypatch.setenv(fingerprint.COMMIT_VARIABLE, "0" * 40)
     assert fingerprint.source_revision() == {"commit": "0" * 40, "dirty": None}
+
+
+def test_a_figures_provenance_line_names_hosts_commits_and_versions(reported_record, measured_record):
+    from spectie.records import provenance_line
+
+    measured_record["fingerprint"].update(source_commit="abcdef1234", source_dirty=True, gpu="NVIDIA H200",
+                                          torch="2.11.0", transformers="5.17.0", vllm=None)
+    line = provenance_line([reported_record, measured_record])
+    assert line.startswith("Records: 1 reported (the incident); 1 measured on NVIDIA H200 (host ")
+    assert "commit abcdef1 (uncommitted changes); torch 2.11.0, transformers 5.17.0, vLLM none." in line
+    measured_record["fingerprint"]["source_commit"] = None
+    assert "; commit unknown; torch" in provenance_line([measured_record])
+    assert provenance_line([]) == "Records: none."
