@@ -27,6 +27,8 @@ class Chapter:
     summary: str
 
 
+EXECUTED_DIR = "book/generated"
+
 # Order matters: chapters that read other chapters' records come after them.
 CHAPTERS = {
     c.name: c
@@ -57,10 +59,13 @@ CHAPTERS = {
                 "Environments appendix, generated from environments/ and the records"),
         Chapter("summary", "notebooks/summary.ipynb", ("results/**/*.json", "environments/*.yaml"),
                 "The book's first page: the answer, computed from every record, and what was not measured"),
+        Chapter("execution", "notebooks/execution.ipynb",
+                tuple(f"{EXECUTED_DIR}/{name}.ipynb" for name in ("incident", "margins", "reproduce", "reduction_order",
+                                                                  "guidance", "environments", "summary")),
+                "Appendix: when, where and how long each chapter of this build ran"),
     )
 }
 
-EXECUTED_DIR = "book/generated"
 HASH_VARIABLE = "SPECTIE_CONTENT_HASH"
 FAILED_DIR = "_build/failed"
 PACKAGE_DATA = ("spectie/**/*.json", "spectie/**/*.yaml")  # the schema and the matrices: read by every chapter
@@ -251,8 +256,12 @@ def execute(chapter: Chapter, parameters: dict | None = None, output: Path | Non
         raise
     finally:
         os.environ.pop(HASH_VARIABLE, None)
+    from spectie.fingerprint import device_name, host_id, now, source_revision
+
     notebook = nbformat.read(tmp_name, as_version=4)
-    notebook.metadata["spectie"] = {"content_hash": stamp, "chapter": chapter.name, "parameters": parameters}
+    notebook.metadata["spectie"] = {"content_hash": stamp, "chapter": chapter.name, "parameters": parameters,
+                                    "host_id": host_id(), "device": device_name(), "finished_at": now(),
+                                    "source_commit": source_revision()["commit"]}
     nbformat.write(notebook, tmp_name)
     shutil.move(tmp_name, output)
     return output
@@ -269,3 +278,21 @@ def build_stale(progress: bool = True, log=print) -> list[str]:
         execute(chapter, progress=progress)
         ran.append(chapter.name)
     return ran
+
+
+def execution_rows() -> list[dict]:
+    """When, where and how long each chapter's executed copy ran (papermill's times, this project's stamp)."""
+    rows = []
+    for chapter in CHAPTERS.values():
+        path = executed_path(chapter)
+        if not path.is_file():
+            rows.append({"chapter": chapter.name, "executed": "not yet"})
+            continue
+        metadata = json.loads(path.read_text())["metadata"]
+        stamp, timing = metadata.get("spectie", {}), metadata.get("papermill", {})
+        rows.append({"chapter": chapter.name, "finished at (UTC)": (stamp.get("finished_at") or "unknown")[:19],
+                     "seconds": round(timing["duration"], 1) if timing.get("duration") is not None else None,
+                     "device": stamp.get("device", "unknown"), "host": stamp.get("host_id", "unknown"),
+                     "commit": (stamp.get("source_commit") or "unknown")[:7],
+                     "parameters": ", ".join(f"{k}={v}" for k, v in stamp.get("parameters", {}).items()) or "defaults"})
+    return rows

@@ -37,6 +37,16 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def host_memory() -> int:
+    """Bytes of memory available to a CPU run (MemAvailable)."""
+    from spectie.errors import UsageError
+
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise UsageError("cannot read the available memory of this host (/proc/meminfo)")
+
+
 def host_id() -> str:
     """A stable, anonymous id of this machine: a hash of /etc/machine-id (or the host name)."""
     try:

@@ -17,6 +17,7 @@ import subprocess
 from dataclasses import dataclass
 
 from spectie.errors import UsageError
+from spectie.fingerprint import host_memory
 
 GIB = 2**30
 MEMORY_SLACK = 1.25  # activations, the other precision's copy during a cast, the allocator's reserve
@@ -45,14 +46,6 @@ def gpus() -> list[Gpu]:
         name, driver, total, free = (part.strip() for part in line.split(","))
         found.append(Gpu(name, driver, int(float(total)) * 2**20, int(float(free)) * 2**20))
     return found
-
-
-def host_memory() -> int:
-    """Bytes of memory available to a CPU run (MemAvailable)."""
-    for line in open("/proc/meminfo"):
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise UsageError("cannot read the available memory of this host (/proc/meminfo)")
 
 
 def model_parameters(model: str) -> int:

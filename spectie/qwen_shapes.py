@@ -27,7 +27,7 @@ logits, scales with that spread.
 from __future__ import annotations
 
 from spectie.errors import UsageError
-from spectie.host import host_memory
+from spectie.fingerprint import host_memory
 
 COMMON = dict(
     vocab_size=248320, head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,

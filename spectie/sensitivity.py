@@ -396,11 +396,19 @@ def model_label(record: dict) -> str:
     return model_name(record)
 
 
+# The columns a reader sees, in words (the record's field names do not wrap in a narrow column).
+READABLE = {"noise_band": "band vs fp32", "p99_deviation": "p99 |logit change|", "max_deviation": "max |logit change|",
+            "top1_disagreements": "top-1 ≠ fp32", "top1_vs_decode": "top-1 ≠ bf16 decode",
+            "largest_flipped_margin": "largest flipped margin"}
+
+
 def summary_rows(record: dict) -> list[dict]:
-    """One row per (kernels, TF32, dtype, shape) of a sweep record, without the per-position lists."""
+    """One row per (kernels, TF32, dtype, shape) of a sweep record: the figures a reader compares, named in
+    words (the per-position lists and the median/p90 deviations stay in the record)."""
     host = record["fingerprint"].get("gpu") or "CPU"
-    return [{"model": model_label(record), "host": host,
-             **{k: v for k, v in row.items() if k not in ("pairs", "margin_shifts")}}
+    return [{"model": model_label(record), "host": host, "kernels": row["kernels"], "tf32": row["tf32"],
+             "dtype": row["dtype"], "shape": row["shape"], "kind": row["kind"], "positions": row["positions"],
+             **{READABLE[key]: row.get(key) for key in READABLE}}
             for row in record["results"]["rows"]]
 
 

@@ -35,8 +35,10 @@ def _text(html_file: Path) -> str:
 
 def test_the_first_build_executes_every_chapter_without_warnings(built):
     root, result = built
-    assert ("executed 7 chapter(s): incident, margins, reproduce, reduction_order, guidance, environments, summary"
-            in result.stdout)
+    assert ("executed 8 chapter(s): incident, margins, reproduce, reduction_order, guidance, environments, summary, "
+            "execution" in result.stdout)
+    text = _text(root / "_build" / "html" / "generated" / "execution.html")
+    assert "Appendix: how this book was built" in text and "7 chapters have an executed copy" in text
     assert "build succeeded" in result.stdout
     assert "WARNING:" not in result.stdout + result.stderr  # Sphinx's warnings (-W turns them into errors)
 
@@ -175,6 +177,47 @@ def test_no_page_shows_a_traceback_nan_repr_or_local_path(built):
                     found.append(f"{page.name}: {what}: …{text[max(0, match.start() - 60):match.end() + 60]}…")
     assert not found, "\n".join(found)
     assert KNOWN_UNREADABLE <= seen, f"mended, take them off KNOWN_UNREADABLE: {KNOWN_UNREADABLE - seen}"
+
+
+# Measures, in the page as a browser lays it out at 1400 px, every table against the article's width.
+LAYOUT_PROBE = """<script>
+window.addEventListener('load', () => {
+  const article = document.querySelector('article.bd-article') || document.body;
+  const limit = article.getBoundingClientRect().width;
+  const wide = [...document.querySelectorAll('table')]
+    .map(t => [Math.round(t.getBoundingClientRect().width), (t.querySelector('tr') || t).textContent.replace(/\\s+/g, ' ').slice(0, 80)])
+    .filter(x => x[0] > limit + 1);
+  const out = document.createElement('pre');
+  out.id = 'layout-probe';
+  out.textContent = JSON.stringify({content: Math.round(limit), wide: wide});
+  document.body.appendChild(out);
+});
+</script>"""
+
+
+def test_every_table_fits_the_content_column(built):
+    """Headless Chromium lays out each page at 1400 px; a table wider than the article's column is a table
+    the reader must scroll sideways."""
+    import shutil
+
+    browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if browser is None:
+        pytest.skip("no Chromium on this host (apt-get install chromium): the layout cannot be measured")
+    root, _ = built
+    too_wide = {}
+    for page in sorted((root / "_build" / "html" / "generated").glob("*.html")):
+        probe = page.with_name(f"_probe_{page.name}")
+        probe.write_text(page.read_text().replace("</body>", LAYOUT_PROBE + "</body>"))
+        dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--window-size=1400,1000",
+                              "--virtual-time-budget=5000", "--dump-dom", str(probe)],
+                             capture_output=True, text=True, timeout=120).stdout
+        probe.unlink()
+        found = re.search(r'id="layout-probe"[^>]*>([^<]*)</pre>', dom)
+        assert found, f"{page.name}: the layout probe did not run"
+        measured = json.loads(found[1].replace("&quot;", '"').replace("&amp;", "&"))
+        if measured["wide"]:
+            too_wide[page.name] = measured
+    assert not too_wide, too_wide
 
 
 def test_a_second_build_executes_nothing(built):
