@@ -126,3 +126,21 @@ def logit_values(record: dict) -> dict[str, float | str]:
         values[f"{row['dtype']}_winner"] = row["winner"]
         values[f"{row['dtype']}_margin"] = row["margin"]
     return values
+
+
+def positions_text(prompt_tokens: int, offset: int, tokens_before: int, logit_position: int) -> str:
+    """The report's three names for the stop — `prompt_len + offset`, "after output token N" and the logits
+    at a sequence position — set against one another (0-based positions: the prompt fills 0 … prompt_len-1;
+    output token k, 1-based, sits at prompt_len + k - 1 and is chosen by the logits at prompt_len + k - 2)."""
+    eos_index = prompt_tokens + tokens_before  # the end-of-text token comes after `tokens_before` output tokens
+    chooser = eos_index - 1  # the position whose logits chose it
+    agree = "agrees" if chooser == logit_position else "does not agree"
+    offset_names = ("the logits that chose it" if prompt_tokens + offset == chooser else
+                    "the end-of-text token itself" if prompt_tokens + offset == eos_index else
+                    "neither the end-of-text token nor the logits that chose it")
+    return (f"counted from 0, the prompt fills positions 0 to {prompt_tokens - 1}; after {tokens_before} output "
+            f"tokens the end-of-text token sits at {eos_index} and was chosen by the logits at {chooser}, which "
+            f"{agree} with the reference's position {logit_position}; `prompt_len + {offset}` = "
+            f"{prompt_tokens + offset} names {offset_names}"
+            + (": the report's counts do not agree with one another" if offset_names.startswith("neither")
+               else ": the three name one stop"))

@@ -101,3 +101,13 @@ def test_environments_and_their_status(records):
     assert environment_status("h200", records) == "not yet run"
     measured = {"provenance": "measured", "environments": ["h200"]}
     assert environment_status("h200", records + [measured]) == "measured here"
+
+
+def test_the_reports_three_names_for_the_stop_are_set_side_by_side():
+    from spectie.incident import positions_text
+
+    text = positions_text(1845, 8, 10, 1854)
+    assert "the end-of-text token sits at 1855 and was chosen by the logits at 1854, which agrees" in text
+    assert text.endswith("`prompt_len + 8` = 1853 names neither the end-of-text token nor the logits that chose it: "
+                         "the report's counts do not agree with one another")
+    assert positions_text(1845, 9, 10, 1854).endswith("names the logits that chose it: the three name one stop")
