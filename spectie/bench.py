@@ -73,20 +73,20 @@ def run(model: str = "organism", device: str = "cpu", dtypes=("float32", "bfloat
     import torch
     from transformers import AutoTokenizer
 
-    from spectie import sensitivity
+    from spectie import reduction_order
     from spectie.prompts import PromptSpec, build_prompt
 
-    plan = sensitivity.check_plan(device, list(dtypes), list(shapes), ["torch"], [False], model)
+    plan = reduction_order.check_plan(device, list(dtypes), list(shapes), ["torch"], [False], model)
     if prompt_tokens < 1 or new_tokens < 1:
         raise UsageError("prompt_tokens and new_tokens must be >= 1")
     repeats = repeats or (3 if device.startswith("cuda") else 1)
-    source = sensitivity.open_source(model)
+    source = reduction_order.open_source(model)
     tokenizer = AutoTokenizer.from_pretrained(source.tokenizer)
     ids = list(build_prompt(PromptSpec(tokens=prompt_tokens + new_tokens, seed=0), tokenizer).token_ids)
     positions = list(range(len(ids) - new_tokens, len(ids)))
     rate = matmul_rate(device) if device.startswith("cuda") else None
     rows = []
-    with sensitivity.kernel_context("torch"):
+    with reduction_order.kernel_context("torch"):
         for dtype in dtypes:
             loaded = source.load(dtype, device)
             inputs = torch.tensor([ids], device=device)
@@ -95,7 +95,7 @@ def run(model: str = "organism", device: str = "cpu", dtypes=("float32", "bfloat
             rows.append(_row(loaded, dtype, "plain forward", 1, plain, plain, len(ids), len(ids), rate))
             log(_line(rows[-1]))
             for shape in plan:
-                seconds = best_time(lambda: sensitivity.shape_logits(loaded, ids, positions, shape), device, repeats)
+                seconds = best_time(lambda: reduction_order.shape_logits(loaded, ids, positions, shape), device, repeats)
                 forwards = len(shape.steps(positions[0], len(ids)))
                 rows.append(_row(loaded, dtype, shape.name, forwards, seconds, plain, len(ids), new_tokens, rate))
                 log(_line(rows[-1]))

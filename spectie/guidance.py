@@ -83,7 +83,7 @@ def suspected_text(results: list[tuple[dict, divergence.Divergence]]) -> str:
 def fp32_head_bands(records: list[dict]) -> str | None:
     """The bf16 noise band with the bf16 head and with an fp32 head, per recorded sweep that has both
     (torch kernels, TF32 off), in words; None when no sweep has an fp32-head row."""
-    from spectie.sensitivity import FP32_HEAD, band_points
+    from spectie.reduction_order import FP32_HEAD, band_points
 
     parts = []
     for record in records:

@@ -215,7 +215,7 @@ SPREAD_SHAPE = "qwen3.5-9b-shape"
 def spread_sentence(records: list[dict]) -> str:
     """Why the random-weight shapes are not evidence: how far one shape's band of the order of sums moves
     with the logit spread of its weights, from its records."""
-    from spectie.sensitivity import band_points, spread_points
+    from spectie.reduction_order import band_points, spread_points
 
     sweeps = [r for r in records if r["kind"] == "reduction-sweep"]
     points = sorted(spread_points(band_points(sweeps), SPREAD_SHAPE), key=lambda p: p["logit_std"])

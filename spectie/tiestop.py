@@ -239,7 +239,7 @@ def default_threshold(digest: str | None = None, records: list[dict] | None = No
     that `device` (a GPU's name, or "CPU") where one is recorded there, else on any — else the incident's
     reported fp32-vs-bf16 swing on a real Qwen3.5; and a label saying which it is. (A band of a random-weight
     shape is not used: its scale is a free parameter of the random weights.)"""
-    from spectie.sensitivity import band_points, recorded_band_points
+    from spectie.reduction_order import band_points, recorded_band_points
 
     recorded = recorded_band_points() if records is None else band_points(records)
     same = [p for p in recorded if p["dtype"] == "bfloat16" and not p["tf32"] and digest

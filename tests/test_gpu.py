@@ -34,7 +34,7 @@ def organism():
 def decision_logits(path, prompt, dtype, device, kernels="torch"):
     """Logits of the designed decision (the prompt's last position) in `dtype` on `device`."""
     from spectie.margins import load_model, teacher_forced_logits
-    from spectie.sensitivity import kernel_context
+    from spectie.reduction_order import kernel_context
 
     model = load_model(path, dtype, device)
     with kernel_context(kernels):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from spectie import qwen_shapes, sensitivity
+from spectie import qwen_shapes, reduction_order
 from spectie.errors import UsageError
 
 # A shape small enough for a test, built by the same code as the real ones.
@@ -30,7 +30,7 @@ def test_the_four_shapes_have_qwen35_layouts_and_sizes():
 def test_a_shape_that_cannot_fit_is_refused_with_the_memory_it_needs(monkeypatch):
     monkeypatch.setattr(qwen_shapes, "available_memory", lambda device: 80 * 2**30)
     with pytest.raises(UsageError, match=r"qwen3.5-9b-shape in float64 needs about 115 GiB .*80 GiB available"):
-        sensitivity.check_plan("cpu", ["bfloat16", "float64"], ["full"], ["torch"], [False], "qwen3.5-9b-shape")
+        reduction_order.check_plan("cpu", ["bfloat16", "float64"], ["full"], ["torch"], [False], "qwen3.5-9b-shape")
     with pytest.raises(UsageError, match="unknown Qwen3.5 shape"):
         qwen_shapes.config("qwen3.5-7b-shape")
 
@@ -54,7 +54,7 @@ def test_every_precision_gets_the_same_bf16_weights_and_the_chosen_logit_spread(
 
 
 def test_a_sweep_of_a_shape_runs_and_its_record_says_random_weights(tiny_shape):
-    result = sensitivity.sweep(tiny_shape, "cpu", ["bfloat16", "float32"], ["full", "decode", "verify-3"],
+    result = reduction_order.sweep(tiny_shape, "cpu", ["bfloat16", "float32"], ["full", "decode", "verify-3"],
                                prompt_tokens=200, new_tokens=12, progress=False, weights_seed=3, logit_std=3.0)
     assert result["weights"]["kind"] == qwen_shapes.LABEL and result["weights"]["seed"] == 3
     assert result["model_parameters"] == qwen_shapes.parameter_count(tiny_shape)
@@ -63,9 +63,9 @@ def test_a_sweep_of_a_shape_runs_and_its_record_says_random_weights(tiny_shape):
     assert rows[("bfloat16", "decode")]["max_deviation"] > 0.0
     dump = {"parameters": {"model": tiny_shape, "device": "cpu"}, "results": result, "started_at": "t0",
             "finished_at": "t1", "fingerprint": {"host_id": "abc"}}
-    record = sensitivity.measured_sweep_record(dump, "cpu")
+    record = reduction_order.measured_sweep_record(dump, "cpu")
     assert "random-weight shape" in record["title"] and record["id"] == "reduction-order-cpu-tiny-shape-abc"
-    assert sensitivity.summary_rows(record)[0]["model"] == "tiny-shape (random weights)"
+    assert reduction_order.summary_rows(record)[0]["model"] == "tiny-shape (random weights)"
 
 
 def test_the_benchmark_times_each_shape_with_the_forwards_it_names(tiny_shape):

@@ -122,7 +122,7 @@ def test_without_a_band_for_these_weights_the_threshold_is_the_incidents_reporte
 
 
 def test_default_threshold_is_the_band_recorded_for_the_same_weights():
-    from spectie.sensitivity import recorded_band_points
+    from spectie.reduction_order import recorded_band_points
 
     points = [p for p in recorded_band_points() if p["dtype"] == "bfloat16" and not p["tf32"]]
     digest = next(p["model_sha256"] for p in points if p["model_sha256"])

@@ -3,7 +3,7 @@
 import pytest
 
 from spectie.errors import UsageError
-from spectie.sensitivity import compare, measure, parse_shape, shape_logits
+from spectie.reduction_order import compare, measure, parse_shape, shape_logits
 
 SHAPES = ["full", "decode", "verify-1", "verify-7", "verify-7@3", "prefill-64", "prefill-100", "batch-3"]
 
@@ -113,7 +113,7 @@ def test_each_shape_makes_the_forwards_it_names(organism_sequence):
 def test_an_fp32_head_computes_the_logits_in_fp32_on_the_bf16_body():
     import torch
 
-    from spectie.sensitivity import body_dtype, open_source
+    from spectie.reduction_order import body_dtype, open_source
 
     assert body_dtype("bfloat16+fp32-head") == "bfloat16" and body_dtype("float16") == "float16"
     source = open_source("organism")
@@ -130,7 +130,7 @@ def test_an_fp32_head_computes_the_logits_in_fp32_on_the_bf16_body():
 
 def test_a_band_against_fp32_is_split_into_precision_and_the_order_of_sums():
     """`full` in bf16 against fp32 is the precision; another bf16 shape against bf16 `full` is the order alone."""
-    from spectie.sensitivity import band_points, incident_reach, order_band, trend
+    from spectie.reduction_order import band_points, incident_reach, order_band, trend
 
     def row(shape, shifts):
         return {"kernels": "torch", "tf32": False, "dtype": "bfloat16", "shape": shape, "margin_shifts": shifts,
@@ -150,7 +150,7 @@ def test_a_band_against_fp32_is_split_into_precision_and_the_order_of_sums():
 
 def test_a_shapes_spread_is_named_and_calibrated_to_the_incidents_top_logit():
     from spectie import qwen_shapes
-    from spectie.sensitivity import calibration_text, measured_sweep_record, model_label
+    from spectie.reduction_order import calibration_text, measured_sweep_record, model_label
 
     def point(std, top1, band):
         return {"logit_std": std, "top1_median": top1, "band": band, "precision": band - 0.1, "order": band - 0.2}
