@@ -64,6 +64,14 @@ def test_a_matching_host_passes_and_says_what_it_has(fake_nvidia_smi):
     assert lines[1].startswith("model: organism, needs about 0.") and "GiB free on the GPU" in lines[1]
 
 
+def without_gpu(module: str, *args: str) -> subprocess.CompletedProcess:
+    """`python -m module args` with no nvidia-smi on PATH; it must stop with a usage error (exit 2)."""
+    result = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 2, result.stderr
+    return result
+
+
 def test_a_gpu_environment_computed_on_the_cpu_is_refused(fake_nvidia_smi):
     """ENV=h200 without DEVICE=cuda would label CPU numbers as the H200's."""
     with pytest.raises(UsageError, match="device 'cpu': environment 'h200' is a NVIDIA H200 host"):
@@ -72,9 +80,7 @@ def test_a_gpu_environment_computed_on_the_cpu_is_refused(fake_nvidia_smi):
 
 def test_bench_runs_the_host_checks_before_any_model(tmp_path):
     """`make bench DEVICE=cuda` on a host without a GPU (its ENV defaults to cpu) stops at the host check."""
-    result = subprocess.run([sys.executable, "-m", "spectie.bench", "--env", "cpu", "--device", "cuda"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=300, env={**os.environ, "PATH": "/usr/bin:/bin"})
-    assert result.returncode == 2, result.stderr
+    result = without_gpu("spectie.bench", "--env", "cpu", "--device", "cuda")
     assert "environment 'cpu' has no GPU" in result.stderr and "benchmark:" not in result.stdout
 
 
@@ -124,9 +130,7 @@ def test_a_model_larger_than_memory_is_refused_before_loading(monkeypatch):
 
 def test_make_run_checks_the_host_before_running(monkeypatch):
     """On this CPU host an H200 environment is refused by `spectie run` before papermill starts."""
-    result = subprocess.run([sys.executable, "-m", "spectie", "run", "margins", "--env", "h200"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=300, env={**os.environ, "PATH": "/usr/bin:/bin"})
-    assert result.returncode == 2, result.stderr
+    result = without_gpu("spectie", "run", "margins", "--env", "h200")
     assert "this host does not fit the run" in result.stderr and "no NVIDIA GPU" in result.stderr
     assert "running chapter" not in result.stdout
 
