@@ -40,7 +40,7 @@ def run(device: str, model: str) -> None:
     result = reduction_order.sweep(model, device, parameters["dtypes"], parameters["shapes"], kernels, tf32, 1845, 0, 96,
                                "float32", progress=True, weights_seed=0, logit_std=3.0)
     dump = {"parameters": parameters, "results": result, "started_at": started_at, "finished_at": now(),
-            "seconds": round(time.time() - t0, 1), "fingerprint": environment_fingerprint("bfloat16", model),
+            "seconds": round(time.time() - t0, 1), "fingerprint": environment_fingerprint(",".join(dtypes), model),
             "content_hash": current_hash("reduction_order")}
     with open(os.path.join(os.environ.get("OUT", "."), f"sweep-{model}.json"), "w") as handle:
         json.dump(dump, handle)

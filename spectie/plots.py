@@ -54,22 +54,28 @@ def flip_rate_vs_margin(bins: list[dict], reference: str, other: str, title: str
     return _finish(fig, ax, title)
 
 
-def bf16_grid(values: dict[str, float], spacing: float, title: str):
-    """Where logits sit on the grid of bf16 numbers: the steps a near-tie is made of."""
-    low = min(values.values()) - 2 * spacing
-    high = max(values.values()) + 2 * spacing
+def bf16_grid(values: dict[str, float], title: str):
+    """Where logits sit on the grid of bf16 numbers: the steps a near-tie is made of. The grid is bf16's own:
+    its spacing halves below each power of two (0.0625 below 16, 0.125 from 16 to 32)."""
+    from spectie.margins import bf16_spacing
+
+    low, high = min(values.values()), max(values.values())
+    low -= 2 * bf16_spacing(low)
+    high += 2 * bf16_spacing(high)
     fig, ax = plt.subplots(figsize=(8, 1.8))
-    tick = low - (low % spacing)
+    tick = low - (low % bf16_spacing(low))
+    spacings = set()
     while tick <= high:
         ax.axvline(tick, color="#bbbbbb", linewidth=0.8)
-        tick += spacing
+        spacings.add(bf16_spacing(tick))
+        tick += bf16_spacing(tick)
     for i, (name, value) in enumerate(values.items()):
         ax.plot([value], [0.3 + 0.4 * (i % 2)], "o", color=list(COLOURS.values())[i % 4])
         ax.annotate(f"{name} {value:.2f}", (value, 0.3 + 0.4 * (i % 2)), textcoords="offset points",
                     xytext=(4, 4), fontsize=8)
     ax.set_ylim(0, 1)
     ax.set_yticks([])
-    ax.set_xlabel(f"logit (grey lines: adjacent bf16 values, {spacing:g} apart)")
+    ax.set_xlabel(f"logit (grey lines: adjacent bf16 values, {' or '.join(f'{s:g}' for s in sorted(spacings))} apart)")
     return _finish(fig, ax, title)
 
 

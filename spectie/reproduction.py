@@ -142,22 +142,54 @@ def style_outcomes(table: pd.DataFrame, column: str = "outcome"):
     return table.style.map(colour, subset=[column]).hide(axis="index")
 
 
+GRID_CLASSES = {  # what a generation did against plain greedy's (first repeat, same prompt)
+    "as plain greedy": "#e6e6e6",
+    "stopped earlier than plain greedy": "#d62728",
+    "stopped later than plain greedy": "#1f77b4",
+    "ran on where plain greedy stopped": "#b6d7a8",
+    "other tokens, same length": "#ffbf00",
+    "no plain greedy to compare": "#ffffff",
+}
+
+
+def grid_class(repeat: dict, baseline: dict | None) -> str:
+    """One generation against the baseline's first repeat: the same tokens, or where it ended instead."""
+    if baseline is None:
+        return "no plain greedy to compare"
+    if repeat.get("same_as_baseline") or repeat["token_hash"] == baseline["token_hash"]:
+        return "as plain greedy"
+    stopped, base_stopped = repeat["finish_reason"] == "stop", baseline["finish_reason"] == "stop"
+    if stopped and (not base_stopped or repeat["output_tokens"] < baseline["output_tokens"]):
+        return "stopped earlier than plain greedy"
+    if stopped and repeat["output_tokens"] > baseline["output_tokens"]:
+        return "stopped later than plain greedy"
+    if not stopped and base_stopped:
+        return "ran on where plain greedy stopped"
+    return "other tokens, same length"
+
+
 def repeat_grid(records: list[dict], max_tokens: int, title: str):
-    """Configuration × repeat, each cell coloured by where generation stopped (pale green: ran to max_tokens)."""
+    """Configuration × repeat, each cell one generation: its output tokens, coloured by what it did against
+    plain greedy's (a stop that plain greedy makes too is not a truncation); hatched: did not run."""
+    from matplotlib.patches import Patch
+
     runs = measured_runs(records)
     width = max([len(r["results"]["repeats"]) for r in runs] + [r["parameters"]["repeats"] for r in runs] + [1])
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(runs) + 1.4))
-    cmap = plt.get_cmap("viridis")
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(runs) + 1.6))
+    base = next((r for r in runs if r["parameters"]["configuration"] == r["parameters"]["baseline"]), None)
+    baseline = base["results"]["repeats"][0] if base and base["results"]["repeats"] else None
+    seen = set()
     for row, r in enumerate(runs):
         repeats = r["results"]["repeats"]
         for col in range(r["parameters"]["repeats"]):
             if col < len(repeats):
-                n = repeats[col]["output_tokens"]
-                stopped = repeats[col]["finish_reason"] == "stop"
-                colour = cmap(n / max_tokens) if stopped else "#d9ead3"
-                ax.add_patch(plt.Rectangle((col, row), 1, 1, facecolor=colour, edgecolor="black", linewidth=0.5))
-                ax.text(col + 0.5, row + 0.5, str(n), ha="center", va="center", fontsize=7,
-                        color="white" if stopped and n / max_tokens < 0.6 else "black")
+                kind = grid_class(repeats[col], baseline)
+                seen.add(kind)
+                ax.add_patch(plt.Rectangle((col, row), 1, 1, facecolor=GRID_CLASSES[kind], edgecolor="black",
+                                           linewidth=0.5))
+                ax.text(col + 0.5, row + 0.5, str(repeats[col]["output_tokens"]), ha="center", va="center",
+                        fontsize=7, color="white" if kind in ("stopped earlier than plain greedy",
+                                                              "stopped later than plain greedy") else "black")
             else:
                 status = r["results"]["status"]
                 ax.add_patch(plt.Rectangle((col, row), 1, 1, facecolor=STATUS_COLOURS.get(status, "#eeeeee"),
@@ -168,8 +200,9 @@ def repeat_grid(records: list[dict], max_tokens: int, title: str):
     ax.set_ylim(len(runs), 0)
     ax.set_yticks([i + 0.5 for i in range(len(runs))], [r["parameters"]["configuration"] for r in runs], fontsize=8)
     ax.set_xticks([i + 0.5 for i in range(width)], [str(i + 1) for i in range(width)], fontsize=8)
-    ax.set_xlabel(f"repeat (number: output tokens; dark to yellow: stopped with EOS before {max_tokens}; "
-                  "pale green: reached max_tokens)")
+    ax.set_xlabel("repeat (the number: output tokens written)")
+    ax.legend(handles=[Patch(facecolor=GRID_CLASSES[k], edgecolor="black", label=k) for k in GRID_CLASSES if k in seen],
+              fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     ax.set_title(title)
     fig.tight_layout()
     plt.close(fig)

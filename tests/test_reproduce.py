@@ -554,3 +554,23 @@ def test_a_failed_configuration_shows_vllms_message_and_where_not_this_hosts_pat
     text = error_lines({"results": {"error": error}})
     assert text == ("RuntimeError during engine: pin_memory=True requires a CUDA backend.\n"
                     "raised in vllm/v1/worker/gpu_model_runner.py (__init__)")
+
+
+def test_the_repeat_grid_tells_a_truncation_from_plain_greedys_own_stop():
+    from spectie.reproduction import grid_class
+
+    plain = {"finish_reason": "stop", "output_tokens": 12, "token_hash": "a"}
+    assert grid_class(dict(plain), plain) == "as plain greedy"  # plain greedy's stop is not a truncation
+    assert grid_class({"finish_reason": "stop", "output_tokens": 10, "token_hash": "b"}, plain) == \
+        "stopped earlier than plain greedy"
+    assert grid_class({"finish_reason": "stop", "output_tokens": 30, "token_hash": "c"}, plain) == \
+        "stopped later than plain greedy"
+    assert grid_class({"finish_reason": "length", "output_tokens": 96, "token_hash": "d"}, plain) == \
+        "ran on where plain greedy stopped"
+    ran_on = {"finish_reason": "length", "output_tokens": 96, "token_hash": "f"}
+    assert grid_class({"finish_reason": "length", "output_tokens": 96, "token_hash": "g"}, ran_on) == \
+        "other tokens, same length"
+    assert grid_class({"finish_reason": "stop", "output_tokens": 40, "token_hash": "h"}, ran_on) == \
+        "stopped earlier than plain greedy"
+    assert grid_class({"finish_reason": "stop", "output_tokens": 12, "token_hash": "e"}, plain) == \
+        "other tokens, same length"
