@@ -71,9 +71,10 @@ def _gpu_rows() -> list[list[str]]:
     return [[part.strip() for part in line.split(",")] for line in out.strip().splitlines() if line.strip()]
 
 
-def _gpu() -> tuple[str | None, str | None]:
-    """GPU name(s) and driver version from nvidia-smi, or (None, None) on a host without one."""
-    rows = _gpu_rows()
+def _gpu(rows: list[list[str]] | None = None) -> tuple[str | None, str | None]:
+    """GPU name(s) and driver version from nvidia-smi's rows (asked here unless given), or (None, None) on a
+    host without one."""
+    rows = _gpu_rows() if rows is None else rows
     if not rows:
         return None, None
     names = [r[0] for r in rows]
@@ -179,7 +180,8 @@ def _files_digest(files: tuple) -> str:
 def environment_fingerprint(dtype: str | None = None, model: str | None = None) -> dict:
     """Where a measurement ran: host, OS, CPU, GPU and driver, CUDA, Python and library versions, and the
     digest of the model's weights when they are local files."""
-    gpu, driver = _gpu()
+    rows = _gpu_rows()  # one nvidia-smi call for the name, the driver and the UUIDs
+    gpu, driver = _gpu(rows)
     revision = source_revision()
     return {
         "model_sha256": model_digest(model),
@@ -188,7 +190,7 @@ def environment_fingerprint(dtype: str | None = None, model: str | None = None) 
         "cpu": _cpu_model(),
         "gpu": gpu,
         "gpu_driver": driver,
-        "gpu_uuids": [row[2] for row in _gpu_rows() if len(row) > 2],
+        "gpu_uuids": [row[2] for row in rows if len(row) > 2],
         "cuda": _cuda(),
         "python": platform.python_version(),
         "torch": _version("torch"),

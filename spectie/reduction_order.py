@@ -17,8 +17,10 @@ precision generated), so every shape predicts the same positions from the same c
 costs one forward per step of the shape (a single forward for `full` and `batch-B`).
 
 The *noise band* of a shape is the 99th percentile, over positions, of how much the margin between
-the reference's top two tokens moves in that shape: two tokens closer than that can swap places
-when only the order of the sums changes. Flips (a different top-1 than the reference) are counted too.
+the reference's top two tokens moves in that shape. Against the fp32 reference it holds the precision
+and the order of the sums together; `band_points` splits it into the precision (`full` against the
+reference) and the order of the sums alone (`order_band`: a shape against `full` in the same precision).
+Flips (a different top-1 than the reference) are counted too.
 """
 
 from __future__ import annotations

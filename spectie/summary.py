@@ -166,7 +166,8 @@ def verdict(records: list[dict], environments: dict[str, dict]) -> Verdict:
     curves = flip_curves(records)
     divergences = engine_divergences(records)
     mechanism = [row for row in divergences if row["divergences"] and row["near_ties"]]
-    trained = [r for r in trained_qwen_references(records) if r.flipped]
+    measured_qwen = trained_qwen_references(records)
+    trained = [r for r in measured_qwen if r.flipped]
 
     result = Verdict(answer=NEAR_TIE if ref is not None and ref.flipped else NOT_SETTLED, strength=WEAK,
                      why_strength="")
@@ -198,7 +199,7 @@ def verdict(records: list[dict], environments: dict[str, dict]) -> Verdict:
                                     ("a plain-greedy stop at the same position", plain_stops),
                                     ("a measured speculative near-tie through vLLM", bool(mechanism))) if not have))
 
-    if not trained_qwen_references(records):
+    if not measured_qwen:
         result.not_measured.append("no trained Qwen3.5 model was run here (no weights on our hosts): every "
                                    "Qwen3.5 figure is the incident's, reported")
     missing = unmeasured_environments(records, environments)
