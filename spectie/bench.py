@@ -49,7 +49,7 @@ def matmul_rate(device: str, dtype: str = "bfloat16", size: int | None = None, r
     """FLOP/s of one square matmul of `size` (8192 on a GPU, 1024 on CPU) in `dtype`."""
     import torch
 
-    from spectie.margins import torch_dtype
+    from spectie.model import torch_dtype
 
     size = size or (GPU_MATMUL_SIZE if device.startswith("cuda") else CPU_MATMUL_SIZE)
     a = torch.randn(size, size, device=device, dtype=torch_dtype(dtype))
@@ -125,16 +125,16 @@ def _line(row: dict) -> str:
 
 def bench_record(dump: dict, environment: str) -> dict:
     """A measured record (kind `benchmark`) of a bench dump, in the reduction_order chapter."""
-    host = dump["fingerprint"]["host_id"]
+    from spectie.records import measured_record
+
     model = dump["results"]["parameters"]["model"]
-    return {
-        "schema_version": 1, "id": f"bench-{environment}-{model}-{host}".replace("_", "-").replace(".", "-"),
-        "provenance": "measured", "kind": "benchmark", "chapter": "reduction_order",
-        "title": f"Cost of the reduction-order scans: {model} ({dump['results']['parameters']['device']})",
-        "environments": [environment], "parameters": dump["results"]["parameters"], "results": dump["results"],
-        "fingerprint": dump["fingerprint"], "started_at": dump["started_at"], "finished_at": dump["finished_at"],
-        "package_version": __import__("spectie").__version__, "content_hash": dump["content_hash"],
-    }
+    return measured_record(
+        record_id=f"bench-{environment}-{model}-{dump['fingerprint']['host_id']}".replace("_", "-").replace(".", "-"),
+        kind="benchmark", chapter="reduction_order",
+        title=f"Cost of the reduction-order scans: {model} ({dump['results']['parameters']['device']})",
+        environment=environment, parameters=dump["results"]["parameters"], results=dump["results"],
+        started_at=dump["started_at"], finished_at=dump["finished_at"], fingerprint=dump["fingerprint"],
+        content_hash=dump["content_hash"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -140,19 +140,30 @@ def own_records_dir(chapter: Chapter, environment: str = BUILD_ENVIRONMENT) -> s
 
 
 def _spectie_imports(source: str) -> set[str]:
-    """Modules of the package a piece of Python code imports (at any depth: function-level imports too)."""
+    """Modules of the package a piece of Python code imports (at any depth: function-level imports too),
+    dotted below `spectie` (`reproduce`, `engines.runner`), each with the packages above it (`engines`)."""
     import ast
 
     found = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("spectie.")}
+            found |= {a.name.removeprefix("spectie.") for a in node.names if a.name.startswith("spectie.")}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module == "spectie":
-                found |= {a.name for a in node.names}
-            elif node.module.startswith("spectie."):
-                found.add(node.module.split(".")[1])
-    return found
+            if node.module == "spectie" or node.module.startswith("spectie."):
+                below = node.module.removeprefix("spectie").lstrip(".")
+                found |= {f"{below}.{a.name}".lstrip(".") for a in node.names}  # a module, or a name in one
+                if below:
+                    found.add(below)
+    return found | {name.rsplit(".", 1)[0] for name in found if "." in name}
+
+
+def _module_file(package: Path, name: str) -> Path | None:
+    """The file of module `name` (dotted below the package): a .py file or a subpackage's __init__.py."""
+    base = package.joinpath(*name.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None  # a name imported from a module, not a module
 
 
 def used_modules(chapter: Chapter) -> list[Path]:
@@ -161,15 +172,15 @@ def used_modules(chapter: Chapter) -> list[Path]:
     package = root / "spectie"
     notebook = json.loads((root / chapter.notebook).read_text())
     code = "\n".join("".join(c["source"]) for c in notebook["cells"] if c["cell_type"] == "code")
-    pending, seen = _spectie_imports(code) | {"__init__"}, set()
+    pending, seen = _spectie_imports(code) | {"__init__"}, {}
     while pending:
         name = pending.pop()
-        path = package / f"{name}.py"
-        if name in seen or not path.is_file():  # a name imported from the package that is not a module
+        path = _module_file(package, name)
+        if name in seen or path is None:
             continue
-        seen.add(name)
+        seen[name] = path
         pending |= _spectie_imports(path.read_text())
-    return sorted(package / f"{name}.py" for name in seen)
+    return sorted(set(seen.values()))
 
 
 def library_versions() -> dict[str, str | None]:

@@ -78,7 +78,7 @@ def _cmd_venv(args) -> int:
     from VLLM_COMMIT."""
     import os
 
-    from spectie.venvs import create_venv
+    from spectie.engines.venvs import create_venv
 
     create_venv(args.env, wheels=args.wheels, commit=os.environ.get("VLLM_COMMIT"))
     return 0
@@ -119,7 +119,7 @@ def _cmd_tiestop(args) -> int:
     import json
 
     from spectie import tiestop
-    from spectie.margins import resolve_model
+    from spectie.model import resolve_model
 
     completions = [c for path in args.files for c in tiestop.read_jsonl(path)]  # bad files fail first
     model = resolve_model(args.model) if args.model else None

@@ -90,10 +90,9 @@ def classify(model: str, prompt_ids: list[int], tokens_a: list[int], tokens_b: l
     `threshold`: the noise band in logits; default the recorded bf16 band of the nearest model size."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from spectie.margins import (check_device, end_of_text_ids, load_model, reference_gdn_kernels, resolve_model,
-                                 teacher_forced_logits)
-    from spectie.margins import torch_dtype
-    from spectie.reproduce import first_divergence
+    from spectie.model import (check_device, end_of_text_ids, load_model, reference_gdn_kernels, resolve_model,
+                               teacher_forced_logits, torch_dtype)
+    from spectie.engines.runner import first_divergence
     from spectie.tiestop import threshold_for_model
 
     check_device(device)
@@ -317,7 +316,7 @@ DIGIT_TIE = 0.05  # a digit near-tie of the labelled cases: fp32's top two token
 def digit_tie(reference, prompt_ids: list[int], output: list[int], decode) -> tuple[int, int] | None:
     """The first output position where the fp32 `reference` puts two digits on top at most DIGIT_TIE logits apart
     and `output` wrote one of them, and the other one: (position, token); None if there is none."""
-    from spectie.margins import teacher_forced_logits
+    from spectie.model import teacher_forced_logits
 
     rows = teacher_forced_logits(reference, prompt_ids + output, [len(prompt_ids) + i for i in range(len(output))])
     for position, row in enumerate(rows):
@@ -339,9 +338,9 @@ def build_cases(model: str = "organism", seeds=CASE_SEEDS, new_tokens: int = CAS
     engines are not labelled: nobody knows their truth (recorded_pairs gives them, unlabelled)."""
     from transformers import AutoTokenizer
 
-    from spectie.margins import end_of_text_ids, greedy_generate, load_model, reference_gdn_kernels, resolve_model
+    from spectie.model import end_of_text_ids, greedy_generate, load_model, reference_gdn_kernels, resolve_model
     from spectie.prompts import PromptSpec, build_prompt
-    from spectie.reproduce import first_divergence
+    from spectie.engines.runner import first_divergence
 
     path = resolve_model(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -429,15 +428,17 @@ def read_cases(path: str | Path | None = None) -> dict:
 
 
 def classify_cases(cases: list[dict], model: str = "organism", threshold: float | None = None,
-                   progress: bool = True) -> list[dict]:
-    """The classifier on each labelled case: its verdict beside the truth."""
+                   progress: bool = True, classifier=None) -> list[dict]:
+    """The classifier on each labelled case: its verdict beside the truth. `classifier(prompt, a, b)` replaces
+    `classify` with `model` and `threshold` (e.g. one that reuses verdicts already computed)."""
     from tqdm.auto import tqdm
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # one bar for the cases, not one per model load
+    classifier = classifier or (lambda prompt, a, b: classify(model, prompt, a, b, threshold))
     rows = []
     for case in tqdm(cases, desc="classifying", mininterval=2, disable=not progress):
-        result = classify(model, case["prompt_token_ids"], case["a"], case["b"], threshold)
+        result = classifier(case["prompt_token_ids"], case["a"], case["b"])
         called = {NEAR_TIE: NEAR_TIE_LABEL, SUSPECTED_BUG: BUG_LABEL}.get(result.verdict, result.verdict)
         rows.append({"case": case["name"], "truth": case.get("label"), "class": case["class"], "verdict": called,
                      "right": called == case["label"] if "label" in case else None,
@@ -454,7 +455,8 @@ def write_verdicts(rows: list[dict], engine_records: list[dict], model: str, thr
     """A measured record of the classifier's verdicts on the divergences a vLLM environment wrote (the
     rows of `classify_cases` on its `recorded_pairs`): computed on this host, about the engine outputs of
     `engine_records`' environment, with the band used. The summary reads it instead of classifying again."""
-    from spectie.fingerprint import host_id, measured_record
+    from spectie.fingerprint import host_id
+    from spectie.records import measured_record
     from spectie.records import measured_path, write_record
 
     source = engine_records[0]

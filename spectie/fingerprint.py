@@ -14,8 +14,6 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from spectie import __version__
-
 
 def _version(*distributions: str) -> str | None:
     """Installed version of the first distribution found (without importing it)."""
@@ -145,8 +143,26 @@ def _cuda() -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
+def hub_snapshot(model: str | None) -> Path | None:
+    """The folder a hub id (owner/name) resolved to in this host's Hugging Face cache — its name is the
+    commit the weights came from — or None: not a hub id, or not downloaded here. Never goes online."""
+    if not model or model.count("/") != 1 or model.startswith((".", "/")) or Path(model).exists():
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(model, "config.json")
+    return Path(found).parent if isinstance(found, str) else None
+
+
+def model_revision(model: str | None) -> str | None:
+    """The hub commit a hub id resolved to on this host (its cache's snapshot), None for local models."""
+    snapshot = hub_snapshot(model)
+    return snapshot.name if snapshot else None
+
+
 def model_digest(model: str | None) -> str | None:
-    """First 12 hex digits of the sha256 of a local model's weight files, None for a hub id or a shape.
+    """First 12 hex digits of the sha256 of a model's weight files: a local folder, the organism, or the
+    cached snapshot of a hub id; None for a shape or a hub id not downloaded here.
 
     The organism is pinned (sources/organism.json holds its digest); records made before it was pinned
     name the organisms their machines trained: two records of "organism" with different digests are two
@@ -154,7 +170,7 @@ def model_digest(model: str | None) -> str | None:
     """
     if model is None:
         return None
-    folder = Path(model)
+    folder = hub_snapshot(model) or Path(model)
     if model == "organism":
         from spectie.organism import organism_dir
 
@@ -185,6 +201,7 @@ def environment_fingerprint(dtype: str | None = None, model: str | None = None) 
     revision = source_revision()
     return {
         "model_sha256": model_digest(model),
+        "model_revision": model_revision(model),
         "host_id": host_id(),
         "os": platform.platform(),
         "cpu": _cpu_model(),
@@ -206,28 +223,3 @@ def environment_fingerprint(dtype: str | None = None, model: str | None = None) 
 
 def now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-
-
-def measured_record(*, record_id: str, kind: str, chapter: str, title: str, environment: str,
-                    parameters: dict, results: dict, started_at: str, content_hash: str,
-                    dtype: str | None = None, notes: str | None = None) -> dict:
-    """A complete measured record (validate and write it with spectie.records.write_record)."""
-    record = {
-        "schema_version": 1,
-        "id": record_id,
-        "provenance": "measured",
-        "kind": kind,
-        "chapter": chapter,
-        "title": title,
-        "environments": [environment],
-        "parameters": parameters,
-        "results": results,
-        "fingerprint": environment_fingerprint(dtype, parameters.get("model")),
-        "started_at": started_at,
-        "finished_at": now(),
-        "package_version": __version__,
-        "content_hash": content_hash,
-    }
-    if notes:
-        record["notes"] = notes
-    return record

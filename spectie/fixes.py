@@ -49,7 +49,8 @@ def failure_of(fix: str) -> str:
 def ledger_record(path: str | Path | None = None) -> dict:
     """The ledger's output as a measured record: per fix its threads, markers, verdict per release and the
     first release that has it; per release the wheel that was read (name, sha256, PyPI upload time)."""
-    from spectie.fingerprint import host_id, measured_record
+    from spectie.fingerprint import host_id
+    from spectie.records import measured_record
 
     path = Path(path) if path else project_root() / LEDGER
     ledger = read_ledger(path)

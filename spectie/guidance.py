@@ -3,7 +3,8 @@ recorded vLLM runs, and the classifier on a planted state bug."""
 
 from __future__ import annotations
 
-from spectie import divergence
+from spectie import divergence, tiestop
+from spectie.engines.runner import tokens_written
 
 
 def detector_rows(records: list[dict], threshold: float) -> list[dict]:
@@ -17,7 +18,7 @@ def detector_rows(records: list[dict], threshold: float) -> list[dict]:
         repeat = results["repeats"][0]
         stop = repeat.get("stop_margin")
         row = {"configuration": record["parameters"]["configuration"], "finish": repeat["finish_reason"],
-               "output tokens": repeat["output_tokens"], "stop token": None, "margin": None, "runner-up": None,
+               "tokens written": tokens_written(repeat), "stop token": None, "margin": None, "runner-up": None,
                "flagged": None}
         if stop:
             row.update({"stop token": stop["stop_token"], "margin": stop["margin"], "runner-up": stop["runner_up"],
@@ -29,7 +30,7 @@ def detector_rows(records: list[dict], threshold: float) -> list[dict]:
 def outcome(repeat: dict) -> str:
     """How one recorded completion ended, in words."""
     if repeat["finish_reason"] == "stop":
-        return f"stop after {repeat['output_tokens']} tokens"
+        return f"stop after {tokens_written(repeat)} tokens"
     return f"the {repeat['output_tokens']}-token limit ({repeat['finish_reason']})"
 
 
@@ -122,7 +123,7 @@ def planted_bug(model: str = "organism", prompt_tokens: int = 1845, seed: int = 
     """The prompt, plain bf16 greedy output, and the output with GDN states lost from `corrupt_at` on."""
     from transformers import AutoTokenizer
 
-    from spectie.margins import greedy_generate, load_model, reference_gdn_kernels, resolve_model
+    from spectie.model import greedy_generate, load_model, reference_gdn_kernels, resolve_model
     from spectie.prompts import PromptSpec, build_prompt
 
     path = resolve_model(model)
@@ -147,7 +148,7 @@ def row_counts(records: list[dict], model_path: str, marker: str = "[DATA]") -> 
             repeat = record["results"]["repeats"][0]
             text = tokenizer.decode(repeat["token_ids"])
             rows.append({"configuration": record["parameters"]["configuration"], "finish": repeat["finish_reason"],
-                         "output tokens": repeat["output_tokens"], f"{marker} rows written": text.count(marker)})
+                         "tokens written": tokens_written(repeat), f"{marker} rows written": text.count(marker)})
     return rows
 
 
@@ -317,3 +318,203 @@ def class_counts(cases: list[dict]) -> str:
     for case in cases:
         counts[case["class"]] = counts.get(case["class"], 0) + 1
     return ", ".join(f"{name}: {count}" for name, count in counts.items())
+
+
+# ------------------------------------------------------------------------------ the chapter's evidence, from records
+def model_records(model: str, **match) -> list[dict]:
+    """The records under results/ matching `match` that were made with the very weights `model` names here."""
+    from spectie.records import load_records, same_weights
+
+    return [r for r in load_records(**match) if same_weights(r, model)]
+
+
+def recorded_runs(model: str, environment: str) -> list[dict]:
+    """The recorded vLLM runs of `model`'s weights in `environment`: one matrix run on one prompt (this host's where
+    it made one). A record of another organism is never re-scored with this one."""
+    from spectie.reproduce import one_run
+
+    return one_run(model_records(model, chapter="reproduce", kind="engine-outcome"), environment)
+
+
+def incident_fp32(reported: list[dict]) -> dict:
+    """The fp32 row of the incident's reported logit comparison at its stop (margin, winner)."""
+    logits = next(r for r in reported if r["kind"] == "logit-comparison")
+    return next(row for row in logits["results"]["rows"] if row["dtype"] in ("fp32", "float32"))
+
+
+def incident_flag_text(reported: list[dict]) -> str:
+    """Whether the detector would flag the incident's fp32 stop at the incident's own fp32-to-bf16 swing, in words."""
+    swing, _ = tiestop.reported_swing(next(r for r in reported if r["kind"] == "logit-comparison"))
+    if tiestop.is_near_tie(incident_fp32(reported)["margin"], swing):
+        return (f"inside the incident's own fp32-to-bf16 swing of {swing:.2f} logits, the threshold the detector "
+                "uses when no band is recorded for a model: it would flag it")
+    return f"outside the incident's own fp32-to-bf16 swing of {swing:.2f} logits: the detector would not flag it"
+
+
+def noise_band(model: str, threshold: float | None) -> tuple[float, str]:
+    """The threshold of both tools and where it comes from: `threshold` as given, else the bf16 band recorded for
+    `model`'s weights (on this machine's device where one is)."""
+    if threshold is not None:
+        return threshold, "given as a parameter"
+    from spectie.model import resolve_model
+
+    return tiestop.threshold_for_model(resolve_model(model))
+
+
+def widest_bf16_band(points: list[dict]) -> dict:
+    """The bf16 band point (TF32 off) of the largest shape, its widest band if it has several
+    (points from reduction_order.band_points)."""
+    bands = [p for p in points if p["dtype"] == "bfloat16" and not p["tf32"]]
+    return max(bands, key=lambda p: (p["parameters"], p["band"]))
+
+
+def baseline_run(runs: list[dict]) -> dict | None:
+    """The run of the baseline configuration (plain greedy), or None."""
+    return next((r for r in runs if r["parameters"]["configuration"] == r["parameters"]["baseline"]), None)
+
+
+def first_repeats(runs: list[dict]) -> dict[str, dict]:
+    """Each run's first repeat, by configuration (runs without a repeat left out)."""
+    return {r["parameters"]["configuration"]: r["results"]["repeats"][0] for r in runs if r["results"]["repeats"]}
+
+
+def speculative_runs(runs: list[dict]) -> list[dict]:
+    """The runs other than the baseline that completed (status ok)."""
+    baseline = baseline_run(runs)
+    return [r for r in runs if r["results"]["status"] == "ok" and r is not baseline]
+
+
+def changed_completions(runs: list[dict]) -> tuple[dict | None, dict[str, dict]]:
+    """The baseline's first repeat (None without one), and the first repeat of each speculative run that wrote other
+    tokens than it, by configuration."""
+    baseline = baseline_run(runs)
+    first = first_repeats(runs)
+    base = first.get(baseline["parameters"]["configuration"]) if baseline else None
+    if base is None:
+        return None, {}
+    changed = {}
+    for r in speculative_runs(runs):
+        name = r["parameters"]["configuration"]
+        if first[name]["token_ids"] != base["token_ids"]:
+            changed[name] = first[name]
+    return base, changed
+
+
+def run_facts(runs: list[dict]) -> dict:
+    """The glue values that describe the recorded runs: what ran, what speculation changed, how the runs ended and
+    whether their repeats agreed."""
+    base, changed = changed_completions(runs)
+    ran = speculative_runs(runs)
+    first = first_repeats(runs)
+    mtp = {r["parameters"]["num_speculative_tokens"]: first[r["parameters"]["configuration"]] for r in ran
+           if r["parameters"]["method"] == "mtp"}
+    distinct = max((r["results"]["distinct_outputs"] for r in runs if r["results"]["repeats"]), default=0)
+    failed = [r for r in runs if r["results"]["status"] != "ok"]
+    return {
+        "vllm_version": runs[0]["fingerprint"]["vllm"] if runs else "—",
+        "speculative_ran": len(ran),
+        "speculative_changed": len(changed),
+        "speculative_earlier": sum(1 for r in ran if base and r["results"]["repeats"][0]["output_tokens"]
+                                   < base["output_tokens"]),
+        "baseline_outcome": outcome(base) if base else "—",
+        "changed_outcomes": grouped_outcomes(changed) or "none",
+        "k_outcomes": grouped_outcomes({f"K = {k}": mtp[k] for k in sorted(mtp)}) or "no MTP run recorded",
+        "distinct_max": distinct,
+        "repeat_note": "every repeat identical" if distinct == 1
+        else f"up to {distinct} distinct outputs per configuration",
+        "determinism_text": "deterministic: every repeat wrote the same output" if distinct == 1
+        else "not deterministic: repeats differ",
+        "repeats_each": max((r["results"]["runs_total"] for r in runs), default=0),
+        "failed_names": ", ".join(f"{r['parameters']['configuration']} ({r['results']['status']})" for r in failed)
+        or "none",
+        "ends_text": ends_text(base, changed),
+        "batch_invariant_text": batch_invariant_text(runs, baseline_run(runs)),
+    }
+
+
+def detector_facts(rows: list[dict], threshold: float) -> dict:
+    """The glue values of the tie-stop detector on the recorded stops (rows from detector_rows)."""
+    stops = [r for r in rows if r["finish"] == "stop"]
+    flagged = sum(1 for r in stops if r["flagged"])
+    margins = [r["margin"] for r in stops if r["margin"] is not None and r["margin"] == r["margin"]]  # not NaN
+    return {"stops_total": len(stops), "stops_flagged": flagged, "stops_text": stops_text(margins, flagged, threshold)}
+
+
+def cached_classifier(model: str, threshold: float):
+    """divergence.classify for `model` at `threshold` as a function of (prompt, a, b) that classifies each distinct
+    divergence once: the chapter's tables and its verdict records read the same classification."""
+    results: dict[tuple, divergence.Divergence] = {}
+
+    def classify(prompt_ids: list[int], tokens_a: list[int], tokens_b: list[int]) -> divergence.Divergence:
+        key = (tuple(prompt_ids), tuple(tokens_a), tuple(tokens_b))
+        if key not in results:
+            results[key] = divergence.classify(model, prompt_ids, tokens_a, tokens_b, threshold)
+        return results[key]
+
+    return classify
+
+
+def classify_runs(runs: list[dict], classify) -> list[tuple[dict, divergence.Divergence]]:
+    """(run, verdict) for every run whose first repeat diverged from its baseline's (speculative_divergences),
+    `classify` taking (prompt, the run's tokens, the baseline's tokens)."""
+    results = []
+    for record, base in speculative_divergences(runs):
+        pair = divergence.pair_from_records(record, base)
+        results.append((record, classify(pair["prompt_token_ids"], pair["a"], pair["b"])))
+    return results
+
+
+def classifier_rows(results: list[tuple[dict, divergence.Divergence]], planted: divergence.Divergence) -> list[dict]:
+    """The classifier table: a row per classified vLLM run (from classify_runs), then the planted bug's."""
+    rows = [classifier_row(f"{r['parameters']['configuration']} vs {r['parameters']['baseline']} (vLLM)", result)
+            for r, result in results]
+    return rows + [classifier_row("planted lost GDN state vs plain (transformers)", planted)]
+
+
+def divergence_positions(results: list[tuple[dict, divergence.Divergence]]) -> str:
+    """The output tokens (counted from one) where the classified runs first part from their baseline: '12, 58', or
+    '—' when none did."""
+    positions = {None if result.position is None else result.position + 1 for _, result in results}
+    return ", ".join(str(p) for p in sorted(positions)) or "—"
+
+
+def classifier_facts(runs: list[dict], results: list[tuple[dict, divergence.Divergence]],
+                     planted: divergence.Divergence) -> dict:
+    """The glue values of the divergence classifier on the recorded runs (results from classify_runs) and on the
+    planted bug."""
+    suspected = [r["parameters"]["configuration"] for r, result in results
+                 if result.verdict == divergence.SUSPECTED_BUG]
+    base, changed = changed_completions(runs)
+    return {
+        "vllm_near_ties": sum(1 for _, result in results if result.verdict == divergence.NEAR_TIE),
+        "vllm_divergences": len(results),
+        "vllm_divergence_at": divergence_positions(results),
+        "upstream_text": upstream_text(changed, base, divergence_positions(results)),
+        "suspected_note": "; it calls " + ", ".join(suspected) + " a suspected correctness bug (below)" if suspected
+        else "; none is a suspected bug",
+        "vllm_suspected": suspected_text(results),
+        "planted_verdict": planted.verdict,
+        "planted_explanation": planted.explanation,
+    }
+
+
+def decisive_facts(records: list[dict]) -> dict:
+    """The glue values of fp32's margin and winner at the decisive position, from the first of the margins chapter's
+    logit comparisons (`records`); nan and '—' without one."""
+    if not records:
+        return {"decisive_fp32": float("nan"), "decisive_winner": "—"}
+    fp32 = {row["dtype"]: row for row in records[0]["results"]["rows"]}["fp32"]
+    return {"decisive_fp32": fp32["margin"], "decisive_winner": fp32["winner"]}
+
+
+def b200_facts(reported: list[dict]) -> dict:
+    """The glue values of the incident's B200 runs by K (reported): at which K they stopped early, at which they went
+    on, and whether that contradicts a K threshold."""
+    b200 = [r for r in reported if r["id"].startswith("b200-k")]
+    by_k = sorted((r["parameters"]["num_speculative_tokens"], r["results"]["stopped_early"]) for r in b200)
+    stops_at = [k for k, stopped in by_k if stopped]
+    goes_on = [k for k, stopped in by_k if not stopped]
+    return {"b200_k_stops": ", ".join(map(str, stops_at)) or "—",
+            "b200_k_continues": ", ".join(map(str, goes_on)) or "—",
+            "k_threshold_text": "a wider K did not stop where a narrower one did, so no K threshold holds"
+            if any(k > s for k in goes_on for s in stops_at) else "these runs alone do not contradict a K threshold"}

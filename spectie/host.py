@@ -57,7 +57,7 @@ def model_parameters(model: str) -> int:
         return qwen_shapes.parameter_count(model)
     from transformers import AutoConfig
 
-    from spectie.margins import parameter_count, resolve_model
+    from spectie.model import parameter_count, resolve_model
 
     path = resolve_model(model)
     try:

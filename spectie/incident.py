@@ -53,7 +53,8 @@ def environment_label(env_ids: list[str], environments: dict[str, dict]) -> str:
 
 
 def outcome_label(results: dict) -> str:
-    """What happened, in the words of the matrix: 'stopped 10/10 at prompt_len+8', 'continued'."""
+    """What happened, in the words of the matrix: 'stopped 10/10 at prompt_len+8' (the report's count),
+    'stopped 3/3 after 92 tokens' (a measured one: tokens written before the end-of-text), 'continued'."""
     if not results["stopped_early"]:
         return "continued"
     text = "stopped"
@@ -61,6 +62,8 @@ def outcome_label(results: dict) -> str:
         text += f" {results['runs_stopped']}/{results['runs_total']}"
     if results.get("stop_offset_from_prompt_len") is not None:
         text += f" at prompt_len+{results['stop_offset_from_prompt_len']}"
+    elif results.get("output_tokens_before_stop") is not None:
+        text += f" after {results['output_tokens_before_stop']} tokens"
     return text
 
 

@@ -72,13 +72,13 @@ def config(name: str):
 
 def parameter_count(name: str) -> int:
     """Parameters of the shape (a tied head counted once), without building its weights."""
-    from spectie.margins import parameter_count as count
+    from spectie.model import parameter_count as count
 
     return count(config(name))
 
 
 def bytes_per_parameter(dtype: str) -> int:
-    from spectie.margins import torch_dtype
+    from spectie.model import torch_dtype
     import torch
 
     return torch.finfo(torch_dtype(dtype)).bits // 8
@@ -117,7 +117,7 @@ def build(name: str, dtype: str, device: str, seed: int = 0, logit_scale: float 
     import torch
     from transformers import Qwen3_5ForCausalLM
 
-    from spectie.margins import torch_dtype
+    from spectie.model import torch_dtype
 
     torch.manual_seed(seed)
     with torch.device(device):

@@ -61,6 +61,37 @@ def validate_record(record: object, where: str = "<record>") -> dict:
     return record
 
 
+def measured_record(*, record_id: str, kind: str, chapter: str, title: str, environment: str,
+                    parameters: dict, results: dict, started_at: str, content_hash: str,
+                    dtype: str | None = None, notes: str | None = None,
+                    fingerprint: dict | None = None, finished_at: str | None = None) -> dict:
+    """A complete measured record: every measured record is built here (validate and write it with
+    `write_record`). `fingerprint` and `finished_at` default to this host and now; a run made elsewhere
+    (a dump from a GPU host) passes the ones it recorded there."""
+    from spectie import __version__
+    from spectie.fingerprint import environment_fingerprint, now
+
+    record = {
+        "schema_version": 1,
+        "id": record_id,
+        "provenance": "measured",
+        "kind": kind,
+        "chapter": chapter,
+        "title": title,
+        "environments": [environment],
+        "parameters": parameters,
+        "results": results,
+        "fingerprint": fingerprint or environment_fingerprint(dtype, parameters.get("model")),
+        "started_at": started_at,
+        "finished_at": finished_at or now(),
+        "package_version": __version__,
+        "content_hash": content_hash,
+    }
+    if notes:
+        record["notes"] = notes
+    return record
+
+
 def write_record(record: dict, path: str | os.PathLike) -> Path:
     """Validate `record` and write it to `path` atomically; an earlier record there survives any failure."""
     path = Path(path)
@@ -145,12 +176,14 @@ def model_name(record: dict) -> str:
         if digest == pinned_digest():
             return f"organism ({digest}, pinned)"
         return f"another organism ({digest}, not the pinned one)"
-    return f"{model} ({digest})" if digest else model
+    revision = record.get("fingerprint", {}).get("model_revision")
+    name = f"{model}@{revision[:12]}" if revision else model  # a hub id: the commit it resolved to
+    return f"{name} ({digest})" if digest else name
 
 
 def same_weights(record: dict, model: str) -> bool:
-    """Whether `record` was made with the weights that `model` names here (same weights digest; a hub id,
-    with no local digest, matches by name). Only such records may be re-scored with this model's weights:
+    """Whether `record` was made with the weights that `model` names here (same weights digest; a hub id
+    that is not in this host's cache, with no digest, matches by name). Only such records may be re-scored with this model's weights:
     a record of another organism is shown, never re-scored with the pinned one."""
     from spectie.fingerprint import model_digest
 

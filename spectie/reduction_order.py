@@ -199,7 +199,7 @@ def kernel_context(kernels: str):
     import contextlib
     import importlib.util
 
-    from spectie.margins import reference_gdn_kernels
+    from spectie.model import reference_gdn_kernels
 
     if kernels not in KERNELS:
         raise UsageError(f"unknown kernel backend {kernels!r}; valid: {', '.join(KERNELS)}")
@@ -215,7 +215,7 @@ def check_plan(device: str, dtypes: list[str], shapes: list[str], kernels: list[
                model: str | None = None, reference_dtype: str = "float32") -> list[Shape]:
     """Every parameter of a sweep, checked before any model is loaded (for a random-weight Qwen3.5
     shape, also whether each precision fits this host's memory)."""
-    from spectie.margins import check_device, torch_dtype
+    from spectie.model import check_device, torch_dtype
 
     check_device(device)
     for dtype in [*dtypes, reference_dtype]:
@@ -255,7 +255,7 @@ class Source:
         """The model in `dtype` (a `+fp32-head` dtype: its body in that precision, the head in fp32)."""
         import torch
 
-        from spectie.margins import load_model
+        from spectie.model import load_model
 
         body = body_dtype(dtype)
         if self.checkpoint:
@@ -269,7 +269,7 @@ class Source:
 
 def open_source(model: str) -> Source:
     """`organism`, a model folder, a hub id, or a Qwen3.5 shape name (random weights)."""
-    from spectie.margins import resolve_model
+    from spectie.model import resolve_model
     from spectie.tokenizer import tokenizer_dir
 
     if qwen_shapes.is_shape(model):
@@ -293,7 +293,7 @@ def sweep(model: str, device: str, dtypes: list[str], shapes: list[str], kernels
     import torch
     from transformers import AutoTokenizer
 
-    from spectie.margins import greedy_generate
+    from spectie.model import greedy_generate
     from spectie.prompts import PromptSpec, build_prompt
 
     plan = check_plan(device, list(dtypes), list(shapes), list(kernels), list(tf32), model, reference_dtype)
@@ -345,8 +345,6 @@ def logit_magnitudes(reference) -> dict:
     """How large the reference's logits are at the scored positions (median over positions): its top-1
     logit, the gap to its runner-up, the spread over the vocabulary. A random-weight shape's band scales with
     them; the incident's own top-2 logits were about 16 (reported), which calibrates the spread."""
-    import torch
-
     top2 = reference.topk(2, dim=1).values
     return {"top1_median": float(top2[:, 0].median()), "top2_gap_median": float((top2[:, 0] - top2[:, 1]).median()),
             "std_median": float(reference.std(dim=1).median())}
@@ -364,22 +362,18 @@ def spread_suffix(record: dict) -> str:
 def measured_sweep_record(dump: dict, environment: str, chapter: str = "reduction_order") -> dict:
     """A measured record from a sweep's dump (parameters, results, times, fingerprint of the host that ran it)."""
     from spectie.chapters import current_hash
+    from spectie.records import measured_record
 
-    host = dump["fingerprint"]["host_id"]
     model = dump["parameters"]["model"]
     label = f"{model} ({qwen_shapes.LABEL})" if weights_of(dump) == qwen_shapes.LABEL else model
-    spread = spread_suffix(dump)
-    name = f"{chapter}-{environment}-{model}-{host}" + (f"-spread-{dump['results']['weights']['logit_std']:g}"
-                                                        if spread else "")
-    return {
-        "schema_version": 1, "id": name.replace("_", "-").replace(".", "-"),
-        "provenance": "measured", "kind": "reduction-sweep", "chapter": chapter,
-        "title": f"Reduction-order sweep of {label} ({dump['parameters']['device']})",
-        "environments": [environment], "parameters": dump["parameters"], "results": dump["results"],
-        "fingerprint": dump["fingerprint"], "started_at": dump["started_at"], "finished_at": dump["finished_at"],
-        "package_version": __import__("spectie").__version__,
-        "content_hash": dump.get("content_hash") or current_hash(chapter),
-    }
+    name = f"{chapter}-{environment}-{model}-{dump['fingerprint']['host_id']}" + (
+        f"-spread-{dump['results']['weights']['logit_std']:g}" if spread_suffix(dump) else "")
+    return measured_record(
+        record_id=name.replace("_", "-").replace(".", "-"), kind="reduction-sweep", chapter=chapter,
+        title=f"Reduction-order sweep of {label} ({dump['parameters']['device']})", environment=environment,
+        parameters=dump["parameters"], results=dump["results"], started_at=dump["started_at"],
+        finished_at=dump["finished_at"], fingerprint=dump["fingerprint"],
+        content_hash=dump.get("content_hash") or current_hash(chapter))
 
 
 def weights_of(record: dict) -> str:

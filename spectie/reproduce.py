@@ -1,558 +1,488 @@
-"""The reproduction chapter's runner: a configuration matrix through vLLM, one child process per engine.
+"""Tables and figures of the reproduction chapter, built from engine-outcome records.
 
-Before any engine starts, everything is checked: the matrix, the model path, that the target
-interpreter has vLLM, and that this vLLM accepts every engine argument and speculative method of the
-matrix. Then each configuration runs in its own process (spectie.engine_child): one engine, reused
-for all its repeats of every prompt (one record per configuration and prompt seed). A configuration
-that vLLM refuses with one of its known refusal messages becomes `status: unsupported`; any other
-failure (a crash, an out-of-memory, a harness error) becomes `crashed`, with the traceback's last lines;
-the matrix goes on. If the baseline fails, nothing can be compared: the matrix stops and says why.
-Each configuration's records are written as soon as it finishes; a later run with the same request
-skips it (resume after an interruption).
+Measured records come from spectie.engines.runner (one per configuration and host); reported ones from the
+incident. Nothing here runs an engine.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import re
-import subprocess
-import sys
-import tempfile
-import time
-from collections import deque
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from spectie.engine_child import MARKER
-from spectie.errors import UsageError
-from spectie.matrix import EngineConfig, Matrix
-from spectie.paths import project_root
+import matplotlib.pyplot as plt
+import pandas as pd
 
-CHAPTER = "reproduce"
-TAIL_LINES = 30  # lines of the child's log kept in a record of a failed configuration
-OUT_OF_MEMORY = ("OutOfMemoryError", "MemoryError")
-ENGINE_CORE_FAILED = "Engine core initialization failed"  # all a caller sees of a failure in vLLM's engine process
-# vLLM's own words when it refuses a configuration while setting up the engine (seen in its 0.26-0.32
-# sources and records): only these make a configuration `unsupported`. Anything else is `crashed`.
-REFUSALS = (
-    r"\bnot supported\b",                          # "VLLM batch_invariant mode is not supported for GDN_ATTN."
-    r"\bdoes not support\b|\bunsupported\b",      # "... does not support ...", "Unsupported speculative method"
-    r"Model Runner V2 requires",                    # "Model Runner V2 requires Triton."
-    r"requires a CUDA or other accelerator backend",  # ngram_gpu's pinned memory on a CPU-only platform
-    r"only supports|is only supported|only available",
-)
+from spectie import qwen_shapes
+from spectie.environments import load_environments
+from spectie.incident import configuration_label, environment_label, outcome_label
+from spectie.records import model_name
+from spectie.engines.runner import root_cause, tokens_written
+
+STATUS_COLOURS = {"unsupported": "#dddddd", "crashed": "#b0b0b0", "interrupted": "#eeeeee"}
 
 
-# ----------------------------------------------------------------------------------------- checks
-def engine_python(environment: str) -> Path:
-    """The interpreter whose vLLM runs the engines: this one for `cpu`, else the environment's venv."""
-    if environment == "cpu":
-        return Path(sys.executable)
-    return project_root() / ".venvs" / environment / "bin" / "python"
+def measured_runs(records: list[dict]) -> list[dict]:
+    """The reproduction chapter's measured records, in matrix order (baseline first) per host."""
+    runs = [r for r in records if r["provenance"] == "measured" and r["kind"] == "engine-outcome"]
+    return sorted(runs, key=lambda r: (r["environments"][0], r["fingerprint"]["host_id"], r["parameters"]["matrix"],
+                                       r["parameters"]["configuration"] != r["parameters"]["baseline"],
+                                       r["started_at"]))
 
 
-def child_environment(extra: dict | None = None) -> dict:
-    env = dict(os.environ)
-    root = str(project_root())
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.update(extra or {})
-    return env
+def where_label(record: dict) -> str:
+    """The vLLM build and hardware of a measured run, e.g. 'vLLM 0.32.0 (cpu) · CPU'."""
+    f = record["fingerprint"]
+    return f"vLLM {f['vllm']} ({f.get('vllm_platform')}) · {f.get('gpu') or 'CPU'}"
 
 
-def probe_vllm(environment: str, python: Path | None = None) -> dict:
-    """vLLM's version, platform, engine arguments and speculative methods, from the target interpreter."""
-    python = python or engine_python(environment)
-    hint = ("run `make setup` (installs the CPU build of vLLM on x86-64 Linux without a GPU)" if environment == "cpu"
-            else f"run `make venv ENV={environment}` (installs that environment's vLLM into .venvs/{environment})")
-    if not python.exists():
-        raise UsageError(f"environment {environment!r}: no interpreter at {python}; {hint}")
-    result = subprocess.run([str(python), "-m", "spectie.engine_child", "probe"], capture_output=True, text=True,
-                            env=child_environment(), timeout=600)
-    for line in result.stdout.splitlines():
-        if line.startswith(MARKER):
-            return json.loads(line[len(MARKER):])
-    tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-5:])
-    raise UsageError(f"environment {environment!r}: vLLM does not import in {python}; {hint}\n{tail}")
+def run_label(record: dict) -> str:
+    """Where a measured run came from: environment, vLLM build, hardware, model."""
+    return f"{record['environments'][0]} · {where_label(record)} · {model_name(record)}"
 
 
-def check_matrix(matrix: Matrix, probe: dict, extra_engine: dict | None = None) -> None:
-    """Every engine argument and speculative method of the matrix must exist in the installed vLLM."""
-    accepted = set(probe["engine_args"])
-    version = probe["vllm_version"]
-    for config in matrix.configs:
-        kwargs = engine_kwargs(config, matrix, "model", extra_engine)
-        missing = sorted(set(kwargs) - accepted)
-        if missing:
-            raise UsageError(f"configuration {config.id!r}: engine argument(s) {', '.join(missing)} are not "
-                             f"accepted by the installed vLLM {version} (it lacks them); remove them from "
-                             f"{matrix.path} or use an environment with a vLLM that has them")
-        methods = probe.get("speculative_methods") or []
-        if config.method != "none" and methods and config.method not in methods:
-            raise UsageError(f"configuration {config.id!r}: vLLM {version} has no speculative method "
-                             f"{config.method!r}; it has: {', '.join(methods)}")
-    check_shared_gpu(matrix.parallel, probe["platform"], extra_engine or {})
+def measured_label(parameters: dict) -> str:
+    label = configuration_label(parameters)
+    if parameters.get("enable_prefix_caching") is False:
+        label += ", no prefix caching"
+    elif parameters.get("enable_prefix_caching") is True:
+        label += ", prefix caching"
+    return label
 
 
-def check_shared_gpu(parallel: int, platform: str, extra_engine: dict) -> None:
-    """Several engines on one GPU: vLLM checks at each engine's start that `gpu_memory_utilization` of
-    the GPU (about 0.9 by default) is free, so an engine that starts while others hold memory fails
-    (measured on the H200: four engines, three of them failed). The fractions must fit together."""
-    if parallel < 2 or platform != "cuda":
-        return
-    fraction = extra_engine.get("gpu_memory_utilization")
-    if not isinstance(fraction, (int, float)) or fraction * parallel > 1:
-        raise UsageError(f"{parallel} engines share one GPU: vLLM checks at each engine's start that its "
-                         f"gpu_memory_utilization of the GPU (about 0.9 unless set) is free, so the engines "
-                         f"after the first fail. Set engine_arguments.gpu_memory_utilization to at most "
-                         f"{1 / parallel:.2f} (got {fraction!r}), with kv_cache_memory_bytes for the KV cache, "
-                         f"or run with parallel: 1")
+def acceptance(repeats: list[dict]) -> float | None:
+    """Share of drafted tokens that the target model accepted, over all repeats (None without drafts)."""
+    drafted = sum(r["speculation"].get("num_draft_tokens", 0) for r in repeats)
+    accepted = sum(r["speculation"].get("num_accepted_tokens", 0) for r in repeats)
+    return accepted / drafted if drafted else None
 
 
-def check_seeds(seeds) -> list[int]:
-    """Prompt seeds: a non-empty list of distinct integers >= 0 (each seed is one listing)."""
-    if (not isinstance(seeds, list) or not seeds or len(set(seeds)) != len(seeds)
-            or any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in seeds)):
-        raise UsageError(f"prompt_seeds must be a non-empty list of distinct integers >= 0, got {seeds!r}")
-    return list(seeds)
+def status_label(results: dict) -> str:
+    if results.get("status", "ok") == "ok":
+        return outcome_label(results)
+    return results["status"]
 
 
-def build_prompt(model_path: str, tokens: int, seed: int, template: str):
-    """The #3 prompt (a `[DATA]` listing cut after `name=`) in the model's own tokenizer."""
-    from transformers import AutoTokenizer
-
-    from spectie.prompts import PromptSpec, build_prompt as build
-
-    spec = PromptSpec(tokens=tokens, seed=seed, template=template).check()
-    return build(spec, AutoTokenizer.from_pretrained(model_path))
-
-
-# ---------------------------------------------------------------------------------------- running
-@dataclass
-class Outcome:
-    """What one child process reported."""
-
-    status: str = "ok"  # ok | unsupported | crashed | interrupted
-    vllm_version: str | None = None
-    engine_seconds: float | None = None
-    model_runner: str | None = None
-    platform: str | None = None
-    repeats: list[dict] = field(default_factory=list)
-    error: dict | None = None
-    log_tail: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-
-
-def engine_kwargs(config: EngineConfig, matrix: Matrix, model: str, extra_engine: dict | None = None) -> dict:
-    """`vllm.LLM` arguments of one configuration: its own, the matrix's shared ones, then `extra_engine`."""
-    engine = {**matrix.engine, **(extra_engine or {})}
-    return config.llm_kwargs(model, engine.pop("dtype", "auto"), **engine)
-
-
-def request_for(config: EngineConfig, matrix: Matrix, model: str, prompts: list[list[int]],
-                extra_engine: dict | None = None, sequential: bool = True) -> dict:
-    """What the engine child runs: `repeats` generations of each prompt, one request at a time
-    (`sequential`, as the incident ran) or all prompts as one batch."""
-    kwargs = engine_kwargs(config, matrix, model, extra_engine)
-    kwargs.setdefault("disable_log_stats", False)  # speculative acceptance counters
-    return {"llm_kwargs": kwargs, "sampling": config.sampling_kwargs(), "prompts": [list(p) for p in prompts],
-            "sequential": sequential, "repeats": config.repeats, "tail_tokens": 8,
-            "environment": {**matrix.environment, **config.environment()}}
-
-
-def request_key(request: dict, vllm_version: str, content_hash: str) -> str:
-    """Identity of a run: same key, same engine arguments, prompt, sampling, repeats, vLLM and code."""
-    text = json.dumps({**request, "vllm_version": vllm_version, "content_hash": content_hash}, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-_RUNNING: set = set()  # engine processes running now (killed together on an interruption)
-
-
-def kill_running() -> None:
-    for process in list(_RUNNING):
-        try:
-            os.killpg(process.pid, 9)
-        except ProcessLookupError:
-            pass
-
-
-def slot_environment(slot: int, parallel: int, platform: str) -> dict:
-    """Engines that run side by side on a CPU each get a core of their own (`slot`).
-
-    Two CPU engines that both bind their OpenMP threads to core 0 (vLLM's automatic binding) spin
-    against each other and hang; one core each runs them in the time of one (measured on 2 cores).
-    """
-    if parallel < 2 or platform != "cpu":
-        return {}
-    return {"VLLM_CPU_OMP_THREADS_BIND": str(slot % (os.cpu_count() or 1)), "OMP_NUM_THREADS": "1"}
-
-
-def run_child(python: Path, request: dict, log_path: Path, on_event=lambda event: None,
-              cancelled=lambda: False, extra_environment: dict | None = None) -> Outcome:
-    """Run one configuration in a child process; every event is passed to `on_event` as it arrives.
-
-    Ctrl-C (here, or `cancelled()` turning true after kill_running()) kills the engine and returns
-    what finished, with status `interrupted`.
-    """
-    outcome, tail = Outcome(), deque(maxlen=TAIL_LINES)
-    finished = False  # the child reported `done`: every repeat of every prompt
-    started = time.monotonic()
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
-        json.dump(request, handle)
-    command = [str(python), "-m", "spectie.engine_child", "run", handle.name]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=child_environment({**request["environment"], **(extra_environment or {})}),
-                               start_new_session=True)
-    _RUNNING.add(process)
-    try:
-        with log_path.open("w", encoding="utf-8") as log:
-            for line in process.stdout:
-                if not line.startswith(MARKER):
-                    log.write(line)
-                    tail.append(line.rstrip("\n"))
-                    continue
-                event = json.loads(line[len(MARKER):])
-                kind = event.pop("event")
-                if kind == "started":
-                    outcome.vllm_version = event["vllm_version"]
-                elif kind == "engine_ready":
-                    outcome.engine_seconds, outcome.model_runner = event["seconds"], event["model_runner"]
-                    outcome.platform = event["platform"]
-                elif kind == "repeat":
-                    outcome.repeats.append(event)
-                elif kind == "error":
-                    outcome.error = event
-                elif kind == "done":
-                    finished = True
-                on_event({"event": kind, **event})
-        returncode = process.wait()
-        if cancelled() and not finished:
-            outcome.status = "interrupted"
-    except KeyboardInterrupt:  # the caller records what finished, then stops
-        os.killpg(process.pid, 9)
-        process.wait()
-        outcome.status = "ok" if finished else "interrupted"
-        returncode = 0
-    finally:
-        _RUNNING.discard(process)
-        Path(handle.name).unlink(missing_ok=True)
-        outcome.seconds = round(time.monotonic() - started, 1)
-        outcome.log_tail = list(tail)
-    if outcome.status == "interrupted" or finished:  # every repeat was reported: a kill while exiting loses nothing
-        return outcome
-    if outcome.error is None and returncode != 0:
-        outcome.error = {"phase": "engine" if outcome.engine_seconds is None else "generate",
-                         "type": f"exit status {returncode}", "message": "the engine process died without "
-                         "reporting an error (killed, out of memory, or a crash in native code)",
-                         "traceback_tail": []}
-    if outcome.error is not None:
-        outcome.status = "unsupported" if is_refusal({**outcome.error, "log_tail": outcome.log_tail}) else "crashed"
-    elif len(outcome.repeats) < request["repeats"] * len(request.get("prompts") or [None]):
-        outcome.status = "crashed"
-    return outcome
-
-
-def is_refusal(error: dict) -> bool:
-    """vLLM refused the configuration while setting up the engine, in one of its known refusal messages:
-    the exception the caller saw, or, where that is only "Engine core initialization failed" (a GPU
-    engine's core runs in its own process), the one the engine process raised (its log's last lines).
-    Failing later (while generating), dying, running out of memory, or any other exception (a harness
-    error looks the same from here) is a crash, not a refusal."""
-    if error["phase"] != "engine" or error["type"] in OUT_OF_MEMORY or error["type"].startswith("exit status"):
-        return False
-    message = error.get("message") or ""
-    if ENGINE_CORE_FAILED in message:
-        cause = root_cause(error)
-        if cause is None or cause.split(":")[0].rsplit(".", 1)[-1] in OUT_OF_MEMORY:
-            return False
-        message = cause
-    return any(re.search(pattern, message, re.IGNORECASE) for pattern in REFUSALS)
-
-
-ROOT_CAUSE = re.compile(r"^(?:\(EngineCore[^)]*\)\s*)?((?:\w+\.)*\w*(?:Error|Exception)): (.+)$")
-
-
-def root_cause(error: dict) -> str | None:
-    """The exception that the engine's own process raised, from the engine log's last lines ("Engine core
-    initialization failed" is only what the caller saw), or None if the log names none."""
-    causes = [f"{m[1]}: {m[2].strip()}" for m in map(ROOT_CAUSE.match, error.get("log_tail") or []) if m]
-    causes = [c for c in causes if c != f"{error.get('type')}: {(error.get('message') or '').strip()}"]
-    return causes[-1] if causes else None
-
-
-# ---------------------------------------------------------------------------------------- results
-def first_divergence(tokens: list[int], reference: list[int]) -> int | None:
-    """Index of the first output token that differs (or where one sequence ends), None if identical."""
-    for index, (a, b) in enumerate(zip(tokens, reference)):
-        if a != b:
-            return index
-    return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
-
-
-def summarize(outcome: Outcome, config: EngineConfig, prompt_len: int, baseline: list[int] | None) -> dict:
-    """The record's results: status, per-repeat outcomes, distinct outputs, the baseline comparison."""
-    repeats = []
-    for r in outcome.repeats:
-        divergence = first_divergence(r["token_ids"], baseline) if baseline is not None else None
-        repeats.append({
-            "finish_reason": r["finish_reason"], "stop_reason": r["stop_reason"], "output_tokens": r["output_tokens"],
-            "stop_position": prompt_len + r["output_tokens"] if r["finish_reason"] == "stop" else None,
-            "token_hash": r["token_hash"], "token_ids": r["token_ids"], "tail_tokens": r["tail_tokens"],
-            "tail_text": r["tail_text"], "seconds": r["seconds"], "speculation": r.get("speculation") or {},
-            "stop_margin": r.get("stop_margin"), "top2_margins": r.get("top2_margins"),
-            "same_as_baseline": None if baseline is None else divergence is None,
-            "first_divergence": divergence,
+def runs_table(records: list[dict]) -> pd.DataFrame:
+    """One row per measured configuration: what ran, what happened, how it compares with the baseline."""
+    rows = []
+    for r in measured_runs(records):
+        p, res = r["parameters"], r["results"]
+        repeats = res["repeats"]
+        same = [x["same_as_baseline"] for x in repeats if x["same_as_baseline"] is not None]
+        divergences = [x["first_divergence"] for x in repeats if x["first_divergence"] is not None]
+        rate = acceptance(repeats)
+        runner = p.get("model_runner") or "default"
+        rows.append({
+            "run": run_label(r),
+            "configuration": p["configuration"],
+            "engine": measured_label(p),
+            "model runner (asked → used)": f"{runner} → {res.get('model_runner_used') or '—'}",
+            "status": res["status"],
+            "outcome": status_label(res),
+            "tokens written": ", ".join(sorted({str(tokens_written(x)) for x in repeats})) or "—",
+            "distinct outputs": res["distinct_outputs"] if repeats else "—",
+            "same as baseline": f"{sum(same)}/{len(same)}" if same else ("baseline" if
+                                                                           p["configuration"] == p["baseline"]
+                                                                           else "—"),
+            "first divergence (output token)": 1 + min(divergences) if divergences else "—",
+            "draft acceptance": f"{rate:.0%}" if rate is not None else "—",
+            "error": (res.get("error") or {}).get("type", ""),
+            "record": r["id"],
         })
-    stopped = [r for r in repeats if r["finish_reason"] == "stop"]
-    results = {
-        "status": outcome.status,
-        "expected": config.expect,
-        "as_expected": outcome.status == {"ok": "ok", "refused": "unsupported", "crashed": "crashed"}[config.expect],
-        "stopped_early": bool(stopped) if repeats else None,
-        "runs_stopped": len(stopped),
-        "runs_total": len(repeats),
-        "finish_reason": repeats[0]["finish_reason"] if len({r["finish_reason"] for r in repeats}) == 1 else None,
-        "output_tokens_before_stop": stopped[0]["output_tokens"] if stopped else None,
-        "stop_offset_from_prompt_len": stopped[0]["output_tokens"] if stopped else None,
-        "stop_position": stopped[0]["stop_position"] if stopped else None,
-        "tail_text": stopped[0]["tail_text"] if stopped else None,
-        "identical_outputs": len({r["token_hash"] for r in repeats}) == 1 if repeats else None,
-        "distinct_outputs": len({r["token_hash"] for r in repeats}),
-        "prompt_tokens": prompt_len,
-        "repeats": repeats,
-        "vllm_version": outcome.vllm_version,
-        "backend": outcome.platform,
-        "model_runner_used": outcome.model_runner,
-        "engine_start_seconds": outcome.engine_seconds,
-        "seconds": outcome.seconds,
-    }
-    if outcome.error is not None:
-        results["error"] = {**outcome.error, "log_tail": outcome.log_tail}
-    return results
+    return pd.DataFrame(rows)
 
 
-def record_id(matrix: Matrix, config: EngineConfig, environment: str, seed: int, model: str = "organism") -> str:
-    """The record's id (and file name); a model other than the organism is named in it, so that runs of two
-    models in one environment on one host never overwrite each other."""
+FRAME = re.compile(r'\s*File "(?P<path>[^"]+)", line \d+, in (?P<function>\S+)')
+
+
+def error_lines(record: dict) -> str:
+    """vLLM's own error for a configuration that did not run: its message, the innermost frame that raised it
+    (named inside its package, not by this host's paths) and the root cause the engine's log names."""
+    error = record["results"].get("error")
+    if not error:
+        return ""
+    frames = [m for m in map(FRAME.match, error.get("traceback_tail") or []) if m]
+    where = None
+    if frames:
+        path = frames[-1]["path"]
+        where = f"raised in {path.split('site-packages/')[-1] if 'site-packages/' in path else Path(path).name}" \
+                f" ({frames[-1]['function']})"
+    cause = root_cause(error)
+    return "\n".join([f"{error['type']} during {error['phase']}: {error['message'][-400:]}",
+                      *([where] if where else []), *([f"root cause (engine log): {cause}"] if cause else [])])
+
+
+def side_by_side(reported: list[dict], measured: list[dict]) -> pd.DataFrame:
+    """Reported (incident) and measured outcomes, one row per configuration and environment, labelled;
+    measured rows are the runs of the incident's prompt (each host's first prompt seed)."""
+    environments = load_environments()
+    rows = []
+    for r in reported:
+        if r["kind"] != "engine-outcome":
+            continue
+        rows.append({"provenance": "reported", "where": environment_label(r["environments"], environments),
+                     "model": "Qwen3.5 (the incident's)", "configuration": configuration_label(r["parameters"]),
+                     "outcome": outcome_label(r["results"]), "record": r["id"]})
+    for r in measured_runs(first_prompt(measured)):  # the incident's prompt; other prompts: seeds_rows
+        rows.append({"provenance": "measured", "where": where_label(r),
+                     "model": model_name(r), "configuration": measured_label(r["parameters"]),
+                     "outcome": status_label(r["results"]), "record": r["id"]})
+    return pd.DataFrame(rows)
+
+
+def style_outcomes(table: pd.DataFrame, column: str = "outcome"):
+    def colour(cell: str) -> str:
+        if str(cell).startswith("stopped"):
+            return "background-color: #f4cccc"
+        if cell == "continued":
+            return "background-color: #d9ead3"
+        if cell in STATUS_COLOURS:
+            return f"background-color: {STATUS_COLOURS[cell]}"
+        return ""
+    return table.style.map(colour, subset=[column]).hide(axis="index")
+
+
+GRID_CLASSES = {  # what a generation did against plain greedy's (first repeat, same prompt)
+    "as plain greedy": "#e6e6e6",
+    "stopped earlier than plain greedy": "#d62728",
+    "stopped later than plain greedy": "#1f77b4",
+    "ran on where plain greedy stopped": "#b6d7a8",
+    "other tokens, same length": "#ffbf00",
+    "no plain greedy to compare": "#ffffff",
+}
+
+
+def grid_class(repeat: dict, baseline: dict | None) -> str:
+    """One generation against the baseline's first repeat: the same tokens, or where it ended instead."""
+    if baseline is None:
+        return "no plain greedy to compare"
+    if repeat.get("same_as_baseline") or repeat["token_hash"] == baseline["token_hash"]:
+        return "as plain greedy"
+    stopped, base_stopped = repeat["finish_reason"] == "stop", baseline["finish_reason"] == "stop"
+    if stopped and (not base_stopped or repeat["output_tokens"] < baseline["output_tokens"]):
+        return "stopped earlier than plain greedy"
+    if stopped and repeat["output_tokens"] > baseline["output_tokens"]:
+        return "stopped later than plain greedy"
+    if not stopped and base_stopped:
+        return "ran on where plain greedy stopped"
+    return "other tokens, same length"
+
+
+def repeat_grid(records: list[dict], max_tokens: int, title: str):
+    """Configuration × repeat, each cell one generation: its output tokens, coloured by what it did against
+    plain greedy's (a stop that plain greedy makes too is not a truncation); hatched: did not run."""
+    from matplotlib.patches import Patch
+
+    runs = measured_runs(records)
+    width = max([len(r["results"]["repeats"]) for r in runs] + [r["parameters"]["repeats"] for r in runs] + [1])
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(runs) + 1.6))
+    base = next((r for r in runs if r["parameters"]["configuration"] == r["parameters"]["baseline"]), None)
+    baseline = base["results"]["repeats"][0] if base and base["results"]["repeats"] else None
+    seen = set()
+    for row, r in enumerate(runs):
+        repeats = r["results"]["repeats"]
+        for col in range(r["parameters"]["repeats"]):
+            if col < len(repeats):
+                kind = grid_class(repeats[col], baseline)
+                seen.add(kind)
+                ax.add_patch(plt.Rectangle((col, row), 1, 1, facecolor=GRID_CLASSES[kind], edgecolor="black",
+                                           linewidth=0.5))
+                ax.text(col + 0.5, row + 0.5, str(tokens_written(repeats[col])), ha="center", va="center",
+                        fontsize=7, color="white" if kind in ("stopped earlier than plain greedy",
+                                                              "stopped later than plain greedy") else "black")
+            else:
+                status = r["results"]["status"]
+                ax.add_patch(plt.Rectangle((col, row), 1, 1, facecolor=STATUS_COLOURS.get(status, "#eeeeee"),
+                                           edgecolor="white", hatch="//"))
+                if col == 0:
+                    ax.text(0.1, row + 0.5, status, va="center", fontsize=7)
+    ax.set_xlim(0, width)
+    ax.set_ylim(len(runs), 0)
+    ax.set_yticks([i + 0.5 for i in range(len(runs))], [r["parameters"]["configuration"] for r in runs], fontsize=8)
+    ax.set_xticks([i + 0.5 for i in range(width)], [str(i + 1) for i in range(width)], fontsize=8)
+    ax.set_xlabel("repeat (the number: output tokens written, end-of-text not counted)")
+    ax.legend(handles=[Patch(facecolor=GRID_CLASSES[k], edgecolor="black", label=k) for k in GRID_CLASSES if k in seen],
+              fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    ax.set_title(title)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+CONTEXT_TOKENS = 6  # tokens shown before a divergence
+
+
+def divergences(records: list[dict], baseline: str | None, pieces) -> list[dict]:
+    """For each distinct output that differs from the baseline: the first differing token on each side, at
+its 1-based output token.
+
+    `pieces` turns token ids into the tokenizer's pieces (e.g. `tokenizer.convert_ids_to_tokens`).
+    """
+    base = next((r for r in records if r["parameters"]["configuration"] == baseline), None)
+    if base is None or not base["results"]["repeats"]:
+        return []
+    reference = base["results"]["repeats"][0]["token_ids"]
+    rows = []
+    for r in records:
+        distinct = {x["token_hash"]: x for x in r["results"]["repeats"] if x["first_divergence"] is not None}
+        for x in distinct.values():
+            at = x["first_divergence"]
+            ids = x["token_ids"]
+            rows.append({"configuration": r["parameters"]["configuration"], "output token": at + 1,
+                         "context": " ".join(pieces(reference[max(0, at - CONTEXT_TOKENS):at])),
+                         f"{baseline} wrote": " ".join(pieces(reference[at:at + 1])) or "(ended)",
+                         "this wrote": " ".join(pieces(ids[at:at + 1])) or "(ended)",
+                         "tokens written": tokens_written(x),
+                         f"{baseline}: tokens written": tokens_written(base["results"]["repeats"][0])})
+    return rows
+
+
+def parting_text(records: list[dict], baseline: str | None, decisive_output_token: int) -> str:
+    """Where each speculative configuration that ran first parts from the baseline (first repeats), against
+    the prompt's designed decision (1-based output token), in words."""
+    base = next((r for r in records if r["parameters"]["configuration"] == baseline), None)
+    if base is None or not base["results"]["repeats"]:
+        return "no baseline ran, so nothing is compared with plain greedy"
+    groups: dict[str, list[str]] = {}
+    for r in records:
+        if r is base or r["parameters"]["method"] == "none" or not r["results"]["repeats"]:
+            continue
+        index = r["results"]["repeats"][0]["first_divergence"]
+        if index is None:
+            where = f"wrote the same tokens as {baseline}"
+        elif index + 1 == decisive_output_token:
+            where = f"part from {baseline} at the designed decision (output token {decisive_output_token})"
+        else:
+            side = "before" if index + 1 < decisive_output_token else "after"
+            where = f"part from {baseline} {side} the designed decision, at output token {index + 1}"
+        groups.setdefault(where, []).append(r["parameters"]["configuration"])
+    if not groups:
+        return "no speculative configuration ran"
+    return "; ".join(f"{', '.join(names)}: {where}" for where, names in groups.items())
+
+
+def decision_text(records: list[dict], output_token: int, pieces) -> str:
+    """What each configuration that ran wrote at the designed decision (1-based output token), with the top-2
+    logprob margin vLLM reported there (first repeats), grouped, in words."""
+    groups: dict[str, list[str]] = {}
+    for r in records:
+        if not r["results"]["repeats"]:
+            continue
+        repeat, index = r["results"]["repeats"][0], output_token - 1
+        if len(repeat["token_ids"]) <= index:
+            continue
+        margins = repeat.get("top2_margins") or []
+        margin = f", by a top-2 logprob margin of {margins[index]:.3f}" if len(margins) > index else ""
+        groups.setdefault(f"wrote {pieces([repeat['token_ids'][index]])[0]!r} there{margin}", []).append(
+            r["parameters"]["configuration"])
+    if not groups:
+        return "no run reached the designed decision"
+    return "; ".join(f"{', '.join(names)} {what}" for what, names in groups.items())
+
+
+# ------------------------------------------------------------------------------------ across prompts
+def prompt_seed(record: dict) -> int:
+    """The prompt seed of a run (records made before several prompts were run: the incident's, seed 0)."""
+    return record["parameters"].get("prompt_seed", 0)
+
+
+def run_key(record: dict) -> tuple:
+    """Which matrix run a record belongs to: environment, host, matrix, model."""
+    return (record["environments"][0], record["fingerprint"]["host_id"], record["parameters"]["matrix"],
+            record["parameters"]["model"])
+
+
+def first_prompt(records: list[dict]) -> list[dict]:
+    """The runs of each host's first prompt seed (the incident's prompt where it ran): one per configuration."""
+    first: dict[tuple, int] = {}
+    for r in records:
+        first[run_key(r)] = min(first.get(run_key(r), prompt_seed(r)), prompt_seed(r))
+    return [r for r in records if prompt_seed(r) == first[run_key(r)]]
+
+
+def _stop(results: dict) -> int | None:
+    """Output tokens of the first repeat if it stopped with EOS, else None (ran to max_tokens)."""
+    repeat = results["repeats"][0]
+    return repeat["output_tokens"] if repeat["finish_reason"] == "stop" else None
+
+
+def first_parting(record: dict) -> int | None:
+    """The first output token (1-based) where any repeat of a run parts from the baseline, None if none does."""
+    at = [x["first_divergence"] for x in record["results"]["repeats"] if x["first_divergence"] is not None]
+    return min(at) + 1 if at else None
+
+
+def seeds_rows(records: list[dict], baseline: str | None) -> list[dict]:
+    """Per configuration, over every prompt seed it ran on: how often its output parts from the baseline's
+    (any repeat), where (1-based output tokens), and how its stop compares with the baseline's (first repeats)."""
+    base = {prompt_seed(r): r["results"] for r in records
+            if r["parameters"]["configuration"] == baseline and r["results"]["repeats"]}
+    by_config: dict[str, list[dict]] = {}
+    for r in records:
+        by_config.setdefault(r["parameters"]["configuration"], []).append(r)
+    rows = []
+    for config, runs in by_config.items():
+        ran = sorted((r for r in runs if r["results"]["repeats"] and prompt_seed(r) in base), key=prompt_seed)
+        parted, stops = [], {"same": 0, "earlier": 0, "later": 0, "only here": 0, "only in the baseline": 0}
+        for r in ran:
+            at = first_parting(r)
+            if at is not None:
+                parted.append(at)
+            here, there = _stop(r["results"]), _stop(base[prompt_seed(r)])
+            if here is None and there is None or here == there:
+                stops["same"] += 1
+            elif there is None:
+                stops["only here"] += 1
+            elif here is None:
+                stops["only in the baseline"] += 1
+            else:
+                stops["earlier" if here < there else "later"] += 1
+        rows.append({
+            "configuration": config,
+            "status": ", ".join(sorted({r["results"]["status"] for r in runs})),
+            "prompts": len(ran),
+            "stopped early (first repeat)": f"{sum(_stop(r['results']) is not None for r in ran)}/{len(ran)}",
+            "parts from the baseline": "baseline" if config == baseline else f"{len(parted)}/{len(ran)}",
+            "where (output token)": ", ".join(str(p) for p in sorted(parted)) or "—",
+            "stop moved": "—" if config == baseline else
+            ", ".join(f"{n} {what}" for what, n in stops.items() if n and what != "same") or "never",
+        })
+    return rows
+
+
+def parting_plot(records: list[dict], baseline: str | None, decisive_output_token: int | None, title: str):
+    """Where each configuration first parts from the baseline, one dot per prompt: the first output token
+    (any repeat) that differs; a hollow dot at the right edge where every repeat wrote the baseline's tokens
+    to the end. A dashed line marks the designed decision, where the model has one."""
+    base = {prompt_seed(r) for r in records if r["parameters"]["configuration"] == baseline and r["results"]["repeats"]}
+    configs: dict[str, list[dict]] = {}
+    for r in sorted(records, key=lambda r: r["parameters"]["configuration"]):
+        if r["parameters"]["configuration"] != baseline:
+            configs.setdefault(r["parameters"]["configuration"], []).append(r)
+    longest = max((x["output_tokens"] for r in records for x in r["results"]["repeats"]), default=1)
+    fig, ax = plt.subplots(figsize=(9, 0.35 * len(configs) + 1.4))
+    for row, (name, runs) in enumerate(configs.items()):
+        ran = [r for r in runs if r["results"]["repeats"] and prompt_seed(r) in base]
+        parted = [at for at in map(first_parting, ran) if at is not None]
+        ax.scatter(parted, [row] * len(parted), color="#c0392b", s=22, zorder=3,
+                   label="parts from the baseline here (one prompt)" if row == 0 else None)
+        same = len(ran) - len(parted)
+        if same:
+            ax.scatter([longest], [row], facecolor="white", edgecolor="#2e7d32", s=40, zorder=3)
+            ax.annotate(f"{same}× same to the end", (longest, row), xytext=(6, -3), textcoords="offset points", fontsize=7)
+        if not ran:
+            ax.text(1, row, "no generation recorded (" + ", ".join(sorted({r["results"]["status"] for r in runs})) + ")",
+                    va="center", fontsize=7, color="#666666")
+    if decisive_output_token is not None:
+        ax.axvline(decisive_output_token, color="black", linestyle="--", linewidth=0.8, label="designed decision")
+    ax.set_yticks(range(len(configs)), list(configs), fontsize=8)
+    ax.set_ylim(len(configs) - 0.5, -0.5)
+    ax.set_xlim(0, longest * 1.25)
+    ax.set_xlabel(f"output token where the configuration first parts from {baseline} (hollow: never, through "
+                  f"{longest} tokens)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: never over a dot
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+def seeds_text(records: list[dict], baseline: str | None, decisive_output_token: int | None) -> str:
+    """The across-prompts finding in words: how many speculative configurations part from the baseline
+    on how many prompts, where (against the designed decision, if the model has one: None for random
+    weights), whether any stop moved, and how the configurations without speculation fared."""
+    methods = {r["parameters"]["configuration"]: r["parameters"].get("method") for r in records}
+    rows = [r for r in seeds_rows(records, baseline) if r["configuration"] != baseline and r["prompts"]]
+    plain_rows = [r for r in rows if methods.get(r["configuration"]) == "none"]
+    rows = [r for r in rows if methods.get(r["configuration"]) != "none"]
+    seeds = sorted({prompt_seed(r) for r in records})
+    if not rows:
+        text = f"no speculative configuration ran on the {len(seeds)} prompt{'s' if len(seeds) != 1 else ''}"
+    else:
+        parted = [r for r in rows if not r["parts from the baseline"].startswith("0/")]
+        where = sorted({int(p) for r in parted for p in r["where (output token)"].split(", ")})
+        moved = [r for r in rows if r["stop moved"] != "never"]
+        text = (f"{len(rows)} speculative configuration{'s' if len(rows) != 1 else ''} ran on {len(seeds)} "
+                f"prompt{'s' if len(seeds) != 1 else ''}; "
+                f"{len(parted)} of them wrote something other than {baseline} on at least one prompt")
+        if where:
+            text += f", first parting at output token{'s' if len(where) > 1 else ''} {', '.join(map(str, where))}"
+            if decisive_output_token is not None:
+                at_decision = decisive_output_token in where
+                text += (f" ({'including' if at_decision else 'never at'} the designed decision, output token "
+                         f"{decisive_output_token})")
+        text += "; " + (f"the stop moved for {len(moved)} of them "
+                        f"({'; '.join(r['configuration'] + ': ' + r['stop moved'] for r in moved)})"
+                        if moved else f"no configuration stopped anywhere other than where {baseline} did")
+    for r in plain_rows:
+        where = r["where (output token)"]
+        text += (f"; without speculation, {r['configuration']} parts from {baseline} on {r['parts from the baseline']}"
+                 f" prompts" + (f" (first at output token{'s' if ',' in where else ''} {where})" if where != "—" else ""))
+    return text
+
+
+def by_run(records: list[dict]) -> dict[str, list[dict]]:
+    """Measured runs grouped by where they came from (environment, vLLM build, hardware, model)."""
+    groups: dict[str, list[dict]] = {}
+    for r in measured_runs(records):
+        groups.setdefault(run_label(r), []).append(r)
+    return groups
+
+
+def run_summary(records: list[dict], decisive_output_token: int, pieces) -> str:
+    """One host's recorded run in words: configurations grouped by status (with the generations recorded of
+    those asked for), the engines' own errors, prompts, what the incident's prompt got at the designed
+    decision, and across prompts."""
+    configs: dict[str, list[dict]] = {}
+    for r in records:
+        configs.setdefault(r["parameters"]["configuration"], []).append(r)
+    groups: dict[str, list[str]] = {}
+    partial = False  # some configuration recorded fewer generations than asked
+    for name, runs in configs.items():
+        recorded = sum(r["results"]["runs_total"] for r in runs)
+        asked = sum(r["parameters"]["repeats"] for r in runs)
+        statuses = ", ".join(sorted({r["results"]["status"] for r in runs}))
+        partial = partial or recorded != asked
+        groups.setdefault(statuses, []).append(name if recorded == asked else f"{name} ({recorded} of {asked})")
+    causes: dict[str, tuple[str, list[str]]] = {}  # kind of error (numbers aside) -> its first text, configurations
+    for name, runs in configs.items():
+        for error in (r["results"]["error"] for r in runs if r["results"].get("error")):
+            cause = root_cause(error) or f"{error['type']}: {error['message'][-200:]}"
+            _, names = causes.setdefault(re.sub(r"\d+(?:\.\d+)?", "#", cause), (cause, []))
+            if name not in names:
+                names.append(name)
+    baseline = records[0]["parameters"]["baseline"]
+    seeds = sorted({prompt_seed(r) for r in records})
+    text = (f"{len(configs)} configuration{'s' if len(configs) != 1 else ''} recorded on {len(seeds)} "
+            f"prompt{'s' if len(seeds) != 1 else ''} (seeds {', '.join(map(str, seeds))}). "
+            + " ".join(f"{status.capitalize()}: {', '.join(names)}." for status, names in groups.items()))
+    if partial:
+        text += " (A name with a count recorded only that many of its generations.)"
+    unexpected = [f"{name} (expected {runs[0]['results']['expected']})" for name, runs in configs.items()
+                  if any(r["results"].get("as_expected") is False and r["results"]["status"] != "interrupted"
+                         for r in runs)]  # an interrupted run is unfinished, not a surprise
+    if unexpected:
+        text += f" Not as the matrix expected: {', '.join(unexpected)}."
+    for cause, names in causes.values():
+        text += f" The engine's own error of {', '.join(names)}: \"{cause}\"."
+    if qwen_shapes.is_random_weight_run(records[0]):
+        asked = sorted({r["parameters"]["max_tokens"] for r in records})
+        text += (" Random weights: the prompt's designed decision means nothing to this model, and every "
+                 "generation was asked for " + " or ".join(map(str, asked)) + " tokens"
+                 + (" whatever the model wrote (ignore_eos)" if all(r["parameters"].get("ignore_eos") for r in records)
+                    else "") + ".")
+        return f"{text} Across prompts: {seeds_text(records, baseline, None)}."
+    return (f"{text} At the designed decision (output token {decisive_output_token}) of the first prompt: "
+            f"{decision_text(first_prompt(records), decisive_output_token, pieces)}. Across prompts: "
+            f"{seeds_text(records, baseline, decisive_output_token)}.")
+
+
+def one_run(records: list[dict], environment: str) -> list[dict]:
+    """The runs of one matrix run in `environment`, on its first prompt: this host's if it made any (what
+    the build just ran), else the first recorded host's. Runs of several hosts or prompts are never mixed."""
     from spectie.fingerprint import host_id
 
-    named = "" if model == "organism" else re.sub(r"[^a-z0-9.]+", "-", model.lower()).strip("-")[:60] + "-"
-    return f"reproduce-{environment}-{named}{matrix.name}-{config.id}-s{seed}-{host_id()}".lower().replace("_", "-")
-
-
-def make_record(config: EngineConfig, matrix: Matrix, request: dict, results: dict, environment: str,
-                model_label: str, probe: dict, key: str, started_at: str, content_hash: str,
-                seed: int, prompt_ids: list[int]) -> dict:
-    from spectie.fingerprint import measured_record, model_digest
-
-    kwargs = request["llm_kwargs"]
-    parameters = {
-        "method": config.method, "num_speculative_tokens": config.k, "model_runner": config.model_runner,
-        "enforce_eager": config.enforce_eager, "cudagraph_mode": config.cudagraph_mode,
-        "enable_prefix_caching": config.enable_prefix_caching, "max_tokens": config.max_tokens,
-        "temperature": config.temperature, "prompt_tokens": len(prompt_ids), "prompt_seed": seed,
-        "prompt_seeds": len(request["prompts"]), "expect": config.expect,
-        "configuration": config.id, "matrix": matrix.name, "baseline": matrix.baseline, "model": model_label,
-        "ignore_eos": config.ignore_eos,
-        "repeats": config.repeats, "batch_invariant": config.batch_invariant, "llm_kwargs": kwargs,
-        "environment_variables": request["environment"], "request_key": key,
-        "prompt_token_ids": list(prompt_ids),
-    }
-    record = measured_record(
-        record_id=record_id(matrix, config, environment, seed, model_label), kind="engine-outcome", chapter=CHAPTER,
-        title=f"vLLM {probe['vllm_version']} ({probe['platform']}): {config.id}, prompt seed {seed}",
-        environment=environment,
-        parameters=parameters, results=results, started_at=started_at, content_hash=content_hash,
-        dtype=str(kwargs.get("dtype")))
-    if record["fingerprint"]["model_sha256"] is None:  # the label is not a path (a random-weight checkpoint's)
-        record["fingerprint"]["model_sha256"] = model_digest(kwargs["model"])
-    engine_fingerprint(record, probe)
-    return record
-
-
-def engine_fingerprint(record: dict, probe: dict) -> None:
-    """The engine ran in the target interpreter: its library versions are the ones that count."""
-    for name in ("torch", "transformers", "cuda", "python"):
-        record["fingerprint"][name] = probe[name]
-    record["fingerprint"]["vllm"] = probe["vllm_version"]
-    record["fingerprint"]["vllm_platform"] = probe["platform"]
-
-
-def existing_record(path: Path, key: str) -> dict | None:
-    """The record of an earlier run of exactly this request (resume), if one finished."""
-    from spectie.records import RecordError, read_record
-
-    if not path.is_file():
-        return None
-    try:
-        record = read_record(path)
-    except RecordError:
-        return None
-    if record["parameters"].get("request_key") != key or record["results"].get("status") == "interrupted":
-        return None
-    return record
-
-
-def remaining_estimate(finished: list[tuple[Outcome, int]], left: list[EngineConfig], parallel: int,
-                       prompts: int = 1) -> float:
-    """Seconds still to go: measured engine overhead and seconds per repeat, applied to what is left
-    (`prompts`: generations per repeat)."""
-    repeats = sum(len(o.repeats) for o, _ in finished)
-    repeat_seconds = sum(r["seconds"] for o, _ in finished for r in o.repeats)
-    overhead = (sum(o.seconds for o, _ in finished) - repeat_seconds) / len(finished)
-    per_repeat = repeat_seconds / repeats if repeats else 0.0
-    return sum(overhead + c.repeats * prompts * per_repeat for c in left) / max(1, min(parallel, len(left)))
-
-
-def start_order(configs: list[EngineConfig], baseline: str | None) -> list[int]:
-    """Indexes of `configs` in the order their engines start: the baseline first (every comparison
-    needs it), then the most repeats first, so that the longest configuration does not start last and
-    leave the other engine slots idle; otherwise matrix order."""
-    return sorted(range(len(configs)), key=lambda i: (configs[i].id != baseline, -configs[i].repeats))
-
-
-class BaselineFailed(UsageError):
-    """The baseline configuration did not finish: no other configuration can be compared with it."""
-
-
-def run_matrix(matrix: Matrix, model: str, prompts: dict[int, list[int]], environment: str, probe: dict,
-               content_hash: str, extra_engine: dict | None = None, model_label: str | None = None,
-               resume: bool = True, progress: bool = True, results_dir: Path | None = None,
-               log=print) -> list[dict]:
-    """Run every configuration on every prompt (`prompts`: prompt seed -> token ids), `matrix.parallel`
-    engines at a time, the baseline first; write and return one record per configuration and prompt
-    seed, in matrix order. Raises BaselineFailed (after recording it) if the baseline does not finish."""
-    import queue
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
-
-    from tqdm import tqdm
-
-    from spectie.fingerprint import host_id, now
-    from spectie.records import measured_path, write_record
-
-    if not prompts:
-        raise UsageError("the matrix needs at least one prompt")
-    seeds = list(prompts)
-    python = engine_python(environment)
-    logs = project_root() / "_build" / "logs" / CHAPTER
-    configs = list(matrix.configs)
-    overall = tqdm(total=sum(c.repeats for c in configs) * len(seeds), desc="matrix", unit="run",
-                   disable=not progress, file=sys.stderr, position=0)
-    lock = threading.Lock()
-    baseline_done = threading.Event()
-    baseline_tokens: dict[int, list[int]] = {}  # prompt seed -> the baseline's first repeat
-    finished: list[tuple[Outcome, int]] = []
-    started_configs: list[str] = []
-    interrupted = threading.Event()
-    slots: queue.Queue = queue.Queue()
-    for slot in range(matrix.parallel):
-        slots.put(slot)
-
-    def path_of(config: EngineConfig, seed: int) -> Path:
-        rid = record_id(matrix, config, environment, seed, model_label or model)
-        return measured_path({"environments": [environment], "chapter": CHAPTER, "id": rid,
-                              "fingerprint": {"host_id": host_id()}}, results_dir)
-
-    def set_baseline(records: list[dict]) -> None:
-        for record in records:
-            repeats = record["results"]["repeats"]
-            if record["results"]["status"] == "ok" and repeats:
-                baseline_tokens[record["parameters"]["prompt_seed"]] = repeats[0]["token_ids"]
-        missing = [r for r in records if r["parameters"]["prompt_seed"] not in baseline_tokens]
-        if missing:
-            interrupted.set()  # no configuration starts or is recorded without its comparison
-        baseline_done.set()
-        if missing:
-            results = missing[0]["results"]
-            error = results.get("error") or {}
-            reason = f"{error.get('type')}: {error.get('message', '')[-300:]}" if error else "no repeat finished"
-            raise BaselineFailed(
-                f"the baseline {matrix.baseline!r} did not finish ({results['status']}, prompt seed "
-                f"{missing[0]['parameters']['prompt_seed']}): {reason}. Without it no configuration can be "
-                f"compared, so the matrix stops here; its record: {path_of(matrix.configs[0], missing[0]['parameters']['prompt_seed'])}")
-
-    def run_one(number: int, config: EngineConfig) -> list[dict]:
-        request = request_for(config, matrix, model, list(prompts.values()), extra_engine)
-        key = request_key(request, probe["vllm_version"], content_hash)
-        paths = {seed: path_of(config, seed) for seed in seeds}
-        is_baseline = config.id == matrix.baseline
-        done = [existing_record(paths[seed], key) for seed in seeds] if resume else [None]
-        if all(r is not None for r in done):
-            log(f"[{number}/{len(configs)}] {config.id}: recorded earlier ({done[0]['results']['status']}), skipped")
-            overall.update(config.repeats * len(seeds))
-            if is_baseline:
-                set_baseline(done)
-            return done
-        if interrupted.is_set():
-            raise KeyboardInterrupt
-        with lock:
-            started_configs.append(config.id)
-            left = [c for c in configs if c.id not in started_configs]
-            eta = remaining_estimate(finished, [config] + left, matrix.parallel, len(seeds)) if finished else None
-            eta = f", about {eta / 60:.1f} min left" if eta is not None else ""
-        log(f"[{number}/{len(configs)}] {config.id}: starting an engine{eta}")
-        bar = tqdm(total=config.repeats * len(seeds), desc=config.id, unit="run", leave=False,
-                   disable=not progress, file=sys.stderr, position=1 + (number - 1) % matrix.parallel)
-
-        def on_event(event):
-            if event["event"] == "repeat":
-                bar.update(1)
-                overall.update(1)
-            elif event["event"] == "engine_ready":
-                bar.set_postfix_str(f"engine ready in {event['seconds']:.0f} s")
-
-        started_at = now()
-        slot = slots.get()
-        placement = slot_environment(slot, matrix.parallel, probe["platform"])
-        try:
-            outcome = run_child(python, request, logs / f"{paths[seeds[0]].stem}.log", on_event,
-                                interrupted.is_set, placement)
-        finally:
-            slots.put(slot)
-            bar.close()
-        overall.update(config.repeats * len(seeds) - len(outcome.repeats))
-        if not is_baseline and matrix.baseline:
-            baseline_done.wait()  # the comparison needs the baseline's tokens
-            if interrupted.is_set() and not baseline_tokens:
-                raise KeyboardInterrupt(f"{config.id}: not recorded, the baseline failed")
-        records = []
-        for number_in_request, seed in enumerate(seeds):
-            own = replace(outcome, repeats=[r for r in outcome.repeats if r.get("prompt", 0) == number_in_request])
-            results = summarize(own, config, len(prompts[seed]), None if is_baseline else baseline_tokens.get(seed))
-            results["placement"] = placement  # extra environment of this engine (its CPU core), if any
-            record = make_record(config, matrix, request, results, environment, model_label or model, probe, key,
-                                 started_at, content_hash, seed, prompts[seed])
-            write_record(record, paths[seed])
-            records.append(record)
-        with lock:
-            finished.append((outcome, config.repeats * len(seeds)))
-        if outcome.status == "interrupted":
-            interrupted.set()
-            raise KeyboardInterrupt(f"interrupted during {config.id}; its finished repeats are in {paths[seeds[0]]}")
-        if is_baseline:
-            set_baseline(records)
-        stopped = sum(r["results"]["runs_stopped"] for r in records)
-        log(f"    {config.id}: {outcome.status}{'' if records[0]['results']['as_expected'] else ' (not as expected)'}"
-            f", {stopped}/{len(outcome.repeats)} stopped, {outcome.seconds:.0f} s")
-        return records
-
-    if matrix.baseline is None:
-        baseline_done.set()
-    try:
-        with ThreadPoolExecutor(max_workers=matrix.parallel) as pool:
-            futures = {i: pool.submit(run_one, i + 1, configs[i]) for i in start_order(configs, matrix.baseline)}
-            try:
-                return [record for i in range(len(configs)) for record in futures[i].result()]
-            except BaseException:
-                interrupted.set()
-                baseline_done.set()
-                for f in futures.values():
-                    f.cancel()
-                kill_running()  # running engines stop; their finished repeats are recorded
-                raise
-    finally:
-        overall.close()
+    mine = [r for r in records if r["environments"][0] == environment]
+    hosts = sorted({r["fingerprint"]["host_id"] for r in mine}, key=lambda h: h != host_id())
+    return first_prompt([r for r in mine if hosts and r["fingerprint"]["host_id"] == hosts[0]])

@@ -40,12 +40,13 @@ def run(model: str, environment: str, count: int = 32, configurations: list[str]
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from spectie.fingerprint import host_id, measured_record, now
-    from spectie.matrix import read_matrix
+    from spectie.fingerprint import host_id, now
+    from spectie.records import measured_record
+    from spectie.engines.matrix import read_matrix
     from spectie.paths import project_root
     from spectie.prompts import build_prompt
     from spectie.records import measured_path, write_record
-    from spectie.reproduce import (check_matrix, engine_python, engine_fingerprint, probe_vllm,
+    from spectie.engines.runner import (check_matrix, engine_python, engine_fingerprint, probe_vllm,
                                    request_for, run_child, slot_environment)
 
     from spectie.chapters import current_hash
@@ -117,7 +118,7 @@ def classified(record: dict):
     """(prompt index, configuration, completion, baseline's completion of the same prompt, first divergence) for
     every completion of a survey; the divergence is None for the baseline and for an unchanged completion.
     A prompt without the baseline's completion cannot tell ordinary from moved: it is refused."""
-    from spectie.reproduce import first_divergence
+    from spectie.engines.runner import first_divergence
 
     baseline = record["parameters"]["baseline"]
     for index, row in enumerate(record["results"]["prompts"]):
@@ -236,7 +237,7 @@ def eos_logprobs(model, tokenizer, prompt_ids: list[int], new_tokens: int, eos_i
     checkpoint row's `name=`: the designed tie)."""
     import torch
 
-    from spectie.margins import teacher_forced_logits
+    from spectie.model import teacher_forced_logits
 
     device = next(model.parameters()).device
     with torch.no_grad():
@@ -284,8 +285,9 @@ def inject(model: str, environment: str, count: int = 24, new_tokens: int = 200,
     from transformers import AutoTokenizer
 
     from spectie.chapters import current_hash
-    from spectie.fingerprint import host_id, measured_record, now
-    from spectie.margins import end_of_text_ids, load_model, torch_dtype
+    from spectie.fingerprint import host_id, now
+    from spectie.records import measured_record
+    from spectie.model import end_of_text_ids, load_model, torch_dtype
     from spectie.prompts import build_prompt
     from spectie.records import measured_path, write_record
 

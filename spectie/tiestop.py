@@ -92,7 +92,7 @@ def end_of_text(model_path: str) -> EndOfText:
     tokenizer's, with the texts vLLM decodes them to."""
     from transformers import AutoTokenizer
 
-    from spectie.margins import end_of_text_ids
+    from spectie.model import end_of_text_ids
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     ids = end_of_text_ids(model_path, tokenizer)
@@ -215,19 +215,17 @@ def read_jsonl(path: str | Path) -> list[Completion]:
     return completions
 
 
-REPORTED_SWING = "hf-reference-logits-1854"  # the incident's fp32 and bf16 references at the stop
-
-
 def reported_swing(record: dict | None = None) -> tuple[float, str]:
     """How far the EOS-DATA margin moved between the fp32 and bf16 transformers references at the incident's
-    stop on its real Qwen3.5 (reported, not measured here), and a label saying so."""
+    stop on its real Qwen3.5 (reported, not measured here; `spectie.summary.reference` reads it), and a label
+    saying so."""
+    from spectie.summary import REFERENCE_ID, reference
+
     if record is None:
         from spectie.records import load_records
 
-        [record] = [r for r in load_records(chapter="incident") if r["id"] == REPORTED_SWING]
-    rows = {row["dtype"]: row for row in record["results"]["rows"]}
-    signed = {dtype: row["margin"] if row["winner"] == "EOS" else -row["margin"] for dtype, row in rows.items()}
-    swing = abs(signed["fp32"] - signed["bf16"])
+        [record] = [r for r in load_records(chapter="incident") if r["id"] == REFERENCE_ID]
+    swing = reference(record).swing
     return swing, (f"reported: the EOS-DATA margin moved {swing:.2f} logits between the fp32 and bf16 references on "
                    f"the incident's Qwen3.5 (record {record['id']}); no band is recorded for these weights: "
                    "`make run CHAPTER=reduction_order MODEL=<model>` records one")

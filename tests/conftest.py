@@ -15,7 +15,8 @@ def reported_record():
 
 @pytest.fixture
 def measured_record():
-    from spectie.fingerprint import measured_record, now
+    from spectie.fingerprint import now
+    from spectie.records import measured_record
 
     return measured_record(
         record_id="test-measured", kind="chapter-run", chapter="incident", title="a test record",

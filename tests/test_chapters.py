@@ -71,6 +71,12 @@ def test_a_chapter_hashes_only_the_modules_it_uses_and_the_library_versions(proj
 
     reproduce, margins = get_chapter("reproduce"), get_chapter("margins")
     assert "plots.py" not in {p.name for p in chapters.used_modules(reproduce)}
+    engines = {p.relative_to(project_copy).as_posix() for p in chapters.used_modules(reproduce)}
+    assert {"spectie/engines/__init__.py", "spectie/engines/runner.py", "spectie/engines/child.py",
+            "spectie/engines/matrix.py", "spectie/reproduce.py", "spectie/model.py"} <= engines
+    assert chapters._spectie_imports("from spectie.engines import runner\nimport spectie.model\n"
+                                     "from spectie.records import load_records") == \
+        {"engines", "engines.runner", "model", "records", "records.load_records"}
     assert {"margins.py", "plots.py", "records.py"} <= {p.name for p in chapters.used_modules(margins)}
     before = content_hash(reproduce, {}), content_hash(margins, {})
     plots = project_copy / "spectie" / "plots.py"

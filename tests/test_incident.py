@@ -111,3 +111,12 @@ def test_the_reports_three_names_for_the_stop_are_set_side_by_side():
     assert text.endswith("`prompt_len + 8` = 1853 names neither the end-of-text token nor the logits that chose it: "
                          "the report's counts do not agree with one another")
     assert positions_text(1845, 9, 10, 1854).endswith("names the logits that chose it: the three name one stop")
+
+
+def test_a_measured_stop_is_labelled_by_the_tokens_written_before_it():
+    from spectie.incident import outcome_label
+
+    measured = {"stopped_early": True, "runs_stopped": 3, "runs_total": 3, "output_tokens_before_stop": 92}
+    assert outcome_label(measured) == "stopped 3/3 after 92 tokens"
+    assert outcome_label({**measured, "stop_offset_from_prompt_len": 8}) == "stopped 3/3 at prompt_len+8"
+    assert outcome_label({**measured, "stopped_early": False}) == "continued"

@@ -7,6 +7,8 @@ import torch
 
 from spectie import margins
 from spectie.errors import UsageError
+from spectie.model import (GDN_FUNCTIONS, Generation, greedy_generate, load_model, reference_gdn_kernels, stepwise_logits,
+                           teacher_forced_logits)
 from spectie.organism import organism_dir
 from spectie.prompts import PromptSpec, build_prompt
 
@@ -25,12 +27,12 @@ def test_teacher_forcing_matches_step_by_step_decoding(organism, dtype, toleranc
     by token with the cache (GDN's recurrent rule) gives, up to the dtype's rounding."""
     from spectie.tokenizer import load_tokenizer
 
-    model = margins.load_model(organism, dtype)
+    model = load_model(organism, dtype)
     prompt = build_prompt(PromptSpec(tokens=150, seed=3), load_tokenizer())
-    generation = margins.greedy_generate(model, list(prompt.token_ids), 20, [248044])
+    generation = greedy_generate(model, list(prompt.token_ids), 20, [248044])
     positions = [generation.position(i) for i in range(len(generation.output_ids))]
-    forced = margins.teacher_forced_logits(model, generation.ids, positions)
-    stepped = margins.stepwise_logits(model, generation.ids, positions)
+    forced = teacher_forced_logits(model, generation.ids, positions)
+    stepped = stepwise_logits(model, generation.ids, positions)
     assert forced.shape == stepped.shape == (len(positions), 248320)
     assert (forced - stepped).abs().max().item() < tolerance
     # and greedy decoding picked the top-1 of those logits at every position
@@ -57,7 +59,7 @@ def test_position_table_and_decisive_comparison():
     assert rows[0]["top1_disagree"] is False and rows[1]["top1_disagree"] is True
     assert rows[1]["fp64_diff"] == pytest.approx(0.1) and rows[1]["bf16_diff"] == pytest.approx(-0.125)
     assert rows[1]["fp64_margin"] == pytest.approx(0.1)
-    generation = margins.Generation([7] * 10, [0, 4], "stop")
+    generation = Generation([7] * 10, [0, 4], "stop")
     measurement = margins.PromptMeasurement(generation, [10, 11], rows, "fp64")
     assert measurement.decisive_index == 1
     decisive = margins.decisive_comparison(measurement, {"EOS": 4, "ROW": 5})
@@ -96,13 +98,13 @@ def test_bad_input_is_refused_before_loading_weights(tmp_path, organism):
 def test_reference_gdn_kernels_swap_in_the_torch_code_and_restore_the_wrappers():
     from transformers.models.qwen3_5 import modeling_qwen3_5 as module
 
-    before = {name: getattr(module, name) for name in margins.GDN_FUNCTIONS}
+    before = {name: getattr(module, name) for name in GDN_FUNCTIONS}
     assert all(hasattr(f, "__wrapped__") for f in before.values())  # transformers' dispatching wrappers
-    with margins.reference_gdn_kernels():
-        for name in margins.GDN_FUNCTIONS:
+    with reference_gdn_kernels():
+        for name in GDN_FUNCTIONS:
             function = getattr(module, name)
             assert not hasattr(function, "__wrapped__") and function.__module__ == module.__name__
-    assert {name: getattr(module, name) for name in margins.GDN_FUNCTIONS} == before
+    assert {name: getattr(module, name) for name in GDN_FUNCTIONS} == before
 
 
 def test_decision_band_and_text_follow_the_rows():

@@ -3,7 +3,7 @@
 import pytest
 
 from spectie.errors import UsageError
-from spectie.matrix import load_matrix, read_matrix
+from spectie.engines.matrix import load_matrix, read_matrix
 
 
 def test_the_incident_matrix_expands_per_k_and_maps_to_vllm_arguments():

@@ -10,6 +10,7 @@ from safetensors import safe_open
 from spectie import margins, organism
 from spectie.errors import UsageError
 from spectie.fingerprint import model_digest
+from spectie.model import greedy_generate
 from spectie.organism import VOCAB_SIZE, organism_dir, pinned_digest, read_pin
 from spectie.prompts import CHECKPOINT, PromptSpec, build_prompt, prompt_set
 from spectie.tokenizer import load_tokenizer
@@ -121,7 +122,7 @@ def test_greedy_follows_the_grammar_to_the_checkpoint(setup):
     for spec in prompt_set(3, 256, first_seed=1000) + [PromptSpec(seed=0)]:
         prompt = build_prompt(spec, tokenizer)
         for model in setup.models.values():
-            generation = margins.greedy_generate(model, list(prompt.token_ids), 30, [EOS])
+            generation = greedy_generate(model, list(prompt.token_ids), 30, [EOS])
             text = tokenizer.decode(generation.output_ids)
             assert text.startswith(prompt.next_name + "\n" + CHECKPOINT), text
             if generation.finish_reason == "stop":

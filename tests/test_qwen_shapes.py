@@ -97,7 +97,7 @@ def test_a_shape_written_as_a_release_checkpoint_loads_with_the_same_weights(tin
     import torch
     from safetensors import safe_open
 
-    from spectie.margins import load_model
+    from spectie.model import load_model
 
     info = qwen_shapes.write_checkpoint(tiny_shape, str(tmp_path), seed=3)
     config = json.loads((tmp_path / "config.json").read_text())

