@@ -172,7 +172,7 @@ def model_digest(model: str | None) -> str | None:
         return None
     folder = hub_snapshot(model) or Path(model)
     if model == "organism":
-        from spectie.organism import organism_dir
+        from spectie.paths import organism_dir
 
         folder = organism_dir()
     files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []

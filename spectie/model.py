@@ -41,7 +41,7 @@ def check_device(device: str) -> str:
 def resolve_model(model: str) -> str:
     """`organism` (built by make setup), a local folder as an absolute path, or a hub id (owner/name)."""
     if model == "organism":
-        from spectie.organism import organism_dir
+        from spectie.paths import organism_dir
 
         if not (organism_dir() / "model.safetensors").is_file():
             raise UsageError(f"the organism is not built ({organism_dir()}): run `make setup`")

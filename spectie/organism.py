@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from spectie.errors import UsageError
-from spectie.paths import project_root
+from spectie.paths import organism_dir, project_root
 from spectie.prompts import NAMES, STOP_PROBABILITY, listing
 
 SEED = 1234
@@ -77,10 +77,6 @@ TRAINING = dict(phases=[dict(steps=450, batch=16, window=128, lr=1.5e-2), dict(s
 ARCHIVE = "sources/organism.tar.xz"  # the pinned organism, relative to the project root
 PIN = "sources/organism.json"  # sha256 of the archive and of every file in it
 STAMP = ".pinned"  # in the unpacked folder: the archive's sha256 it was unpacked from
-
-
-def organism_dir() -> Path:
-    return project_root() / "artifacts" / "organism"
 
 
 def token_stream(tokenizer, rng: random.Random, min_tokens: int) -> list[int]:

@@ -16,3 +16,8 @@ def project_root() -> Path:
             return folder
     # Fall back to the checkout this package lives in.
     return Path(__file__).resolve().parent.parent
+
+
+def organism_dir() -> Path:
+    """Where `make setup` unpacks the pinned organism (artifacts/organism)."""
+    return project_root() / "artifacts" / "organism"

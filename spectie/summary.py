@@ -10,30 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from spectie.tiestop import REFERENCE_ID, Reference, reference
+
 NEAR_TIE = "a numerical near-tie, not a speculative-decoding correctness bug"
 NOT_SETTLED = "not settled by these records"
 STRONG, MODERATE, WEAK = "strong", "moderate", "weak"
-REFERENCE_ID = "hf-reference-logits-1854"  # the incident's fp32 and bf16 transformers references at the stop
 PLAIN_ID = "b200-plain-greedy"  # the incident's plain-greedy run on B200
-
-
-@dataclass(frozen=True)
-class Reference:
-    """Two references of one model at one position: the margin of the first token over the second (signed)."""
-
-    tokens: tuple[str, str]
-    fp32: float
-    bf16: float
-    position: int | None
-    record_id: str
-
-    @property
-    def swing(self) -> float:
-        return abs(self.fp32 - self.bf16)
-
-    @property
-    def flipped(self) -> bool:
-        return (self.fp32 > 0) != (self.bf16 > 0)
 
 
 @dataclass
@@ -44,20 +26,6 @@ class Verdict:
     because: list[str] = field(default_factory=list)  # the evidence for the answer, each with its origin
     caveats: list[str] = field(default_factory=list)  # what the records say against it, or beside it
     not_measured: list[str] = field(default_factory=list)
-
-
-def reference(record: dict) -> Reference:
-    """The margins of a logit-comparison record, signed as EOS over its rival."""
-    rows = {row["dtype"]: row for row in record["results"]["rows"]}
-    fp32, bf16 = rows.get("fp32") or rows["float32"], rows.get("bf16") or rows["bfloat16"]
-    first = fp32["winner"]
-    rival = next(token for token in fp32["logits"] if token != first)
-    pair = (first, rival) if first in ("EOS", "<|endoftext|>") else (rival, first)
-
-    def signed(row):
-        return row["logits"][pair[0]] - row["logits"][pair[1]]
-
-    return Reference(pair, signed(fp32), signed(bf16), record["results"].get("position"), record["id"])
 
 
 def flip_curves(records: list[dict]) -> list[dict]:

@@ -215,12 +215,46 @@ def read_jsonl(path: str | Path) -> list[Completion]:
     return completions
 
 
+REFERENCE_ID = "hf-reference-logits-1854"  # the incident's fp32 and bf16 transformers references at the stop
+
+
+@dataclass(frozen=True)
+class Reference:
+    """Two references of one model at one position: the margin of the first token over the second (signed)."""
+
+    tokens: tuple[str, str]
+    fp32: float
+    bf16: float
+    position: int | None
+    record_id: str
+
+    @property
+    def swing(self) -> float:
+        return abs(self.fp32 - self.bf16)
+
+    @property
+    def flipped(self) -> bool:
+        return (self.fp32 > 0) != (self.bf16 > 0)
+
+
+
+def reference(record: dict) -> Reference:
+    """The margins of a logit-comparison record, signed as EOS over its rival."""
+    rows = {row["dtype"]: row for row in record["results"]["rows"]}
+    fp32, bf16 = rows.get("fp32") or rows["float32"], rows.get("bf16") or rows["bfloat16"]
+    first = fp32["winner"]
+    rival = next(token for token in fp32["logits"] if token != first)
+    pair = (first, rival) if first in ("EOS", "<|endoftext|>") else (rival, first)
+
+    def signed(row):
+        return row["logits"][pair[0]] - row["logits"][pair[1]]
+
+    return Reference(pair, signed(fp32), signed(bf16), record["results"].get("position"), record["id"])
+
+
 def reported_swing(record: dict | None = None) -> tuple[float, str]:
     """How far the EOS-DATA margin moved between the fp32 and bf16 transformers references at the incident's
-    stop on its real Qwen3.5 (reported, not measured here; `spectie.summary.reference` reads it), and a label
-    saying so."""
-    from spectie.summary import REFERENCE_ID, reference
-
+    stop on its real Qwen3.5 (reported, not measured here), and a label saying so."""
     if record is None:
         from spectie.records import load_records
 
