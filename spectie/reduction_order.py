@@ -464,6 +464,19 @@ def trend(values: list[float]) -> str:
     return "does not move steadily with"
 
 
+def exact_order_text(points: list[dict]) -> str:
+    """Which recorded bf16 runs have no order band at all (every shape gave bf16 `full`'s margins exactly),
+    in a sentence; a tie there can flip between precisions only, not between two bf16 computations."""
+    exact = [p["label"] for p in points if p["dtype"] == "bfloat16" and p["order"] == 0]
+    if not exact:
+        return ("In every recorded bf16 run some shape moves a margin against that run's own bf16 `full` forward: "
+                "the order of the sums alone makes a band everywhere it was measured")
+    return (f"For {'; '.join(exact)} the order of the sums alone makes no band at all: every bf16 shape gave bf16 "
+            "`full`'s margins exactly, so however those kernels cut the sequence they summed each logit the same "
+            "way. There a tie can flip between an fp32 reference and bf16, not between two bf16 computations "
+            "such as plain and speculative decoding")
+
+
 def incident_reach(margin: float, point: dict) -> str:
     """Where a margin falls against a model's bands: inside the order band (two bf16 computations can
     disagree), inside only the band against fp32 (an fp32 reference and a bf16 server can), or outside."""

@@ -170,3 +170,15 @@ def test_a_shapes_spread_is_named_and_calibrated_to_the_incidents_top_logit():
     assert model_label(record) == "qwen3.5-9b-shape (random weights, logit spread 4.5)"
     dump["results"]["weights"]["logit_std"] = qwen_shapes.DEFAULT_LOGIT_STD
     assert measured_sweep_record(dump, "h200")["id"] == "reduction-order-h200-qwen3-5-9b-shape-h"
+
+
+def test_a_run_whose_shapes_all_match_full_is_said_to_have_no_order_band():
+    from spectie.reduction_order import exact_order_text
+
+    cpu = {"label": "organism · CPU · torch", "dtype": "bfloat16", "order": 0.0}
+    h200 = {"label": "organism · NVIDIA H200 · torch", "dtype": "bfloat16", "order": 0.062}
+    fp16 = {"label": "organism · CPU · torch", "dtype": "float16", "order": 0.0}
+    assert exact_order_text([cpu, h200, fp16]).startswith(
+        "For organism · CPU · torch the order of the sums alone makes no band at all")
+    assert exact_order_text([h200, fp16]).startswith("In every recorded bf16 run some shape moves a margin")
+    assert exact_order_text([dict(h200, order=None)]).startswith("In every recorded bf16 run")
