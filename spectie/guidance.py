@@ -361,13 +361,6 @@ def noise_band(model: str, threshold: float | None) -> tuple[float, str]:
     return tiestop.threshold_for_model(resolve_model(model))
 
 
-def widest_bf16_band(points: list[dict]) -> dict:
-    """The bf16 band point (TF32 off) of the largest shape, its widest band if it has several
-    (points from reduction_order.band_points)."""
-    bands = [p for p in points if p["dtype"] == "bfloat16" and not p["tf32"]]
-    return max(bands, key=lambda p: (p["parameters"], p["band"]))
-
-
 def baseline_run(runs: list[dict]) -> dict | None:
     """The run of the baseline configuration (plain greedy), or None."""
     return next((r for r in runs if r["parameters"]["configuration"] == r["parameters"]["baseline"]), None)

@@ -464,15 +464,24 @@ def trend(values: list[float]) -> str:
     return "does not move steadily with"
 
 
+def largest_bf16_band(points: list[dict]) -> dict:
+    """The bf16 band point (TF32 off, any kernels) of the largest model recorded, its widest if it has several,
+    among trained models and random-weight shapes at the default logit spread (other spreads are a sweep of that
+    free parameter, shown beside them, not a wider band of the same model)."""
+    bands = [p for p in points if p["dtype"] == "bfloat16" and not p["tf32"]
+             and p["logit_std"] in (None, qwen_shapes.DEFAULT_LOGIT_STD)]
+    return max(bands, key=lambda p: (p["parameters"], p["band"]))
+
+
 def exact_order_text(points: list[dict]) -> str:
     """Which recorded bf16 runs have no order band at all (every shape gave bf16 `full`'s margins exactly),
     in a sentence; a tie there can flip between precisions only, not between two bf16 computations."""
     exact = [p["label"] for p in points if p["dtype"] == "bfloat16" and p["order"] == 0]
     if not exact:
-        return ("In every recorded bf16 run some shape moves a margin against that run's own bf16 `full` forward: "
+        return ("In every recorded bf16 run some shape moves a margin against that run's own bf16 full forward: "
                 "the order of the sums alone makes a band everywhere it was measured")
-    return (f"For {'; '.join(exact)} the order of the sums alone makes no band at all: every bf16 shape gave bf16 "
-            "`full`'s margins exactly, so however those kernels cut the sequence they summed each logit the same "
+    return (f"For {'; '.join(exact)} the order of the sums alone makes no band at all: every bf16 shape gave "
+            "the bf16 full forward's margins exactly, so however those kernels cut the sequence they summed each logit the same "
             "way. There a tie can flip between an fp32 reference and bf16, not between two bf16 computations "
             "such as plain and speculative decoding")
 

@@ -253,15 +253,6 @@ def test_the_noise_band_is_the_given_one_else_the_recorded_one(monkeypatch):
     assert guidance.noise_band("organism", None) == (0.08, "recorded for /models/organism")
 
 
-def test_the_widest_bf16_band_is_the_largest_shapes_widest():
-    points = [{"dtype": "bfloat16", "tf32": False, "parameters": 8, "band": 0.9, "label": "small, wider"},
-              {"dtype": "bfloat16", "tf32": False, "parameters": 800, "band": 0.5, "label": "large a"},
-              {"dtype": "bfloat16", "tf32": False, "parameters": 800, "band": 0.7, "label": "large b"},
-              {"dtype": "bfloat16", "tf32": True, "parameters": 900, "band": 2.0, "label": "tf32"},
-              {"dtype": "float16", "tf32": False, "parameters": 900, "band": 3.0, "label": "fp16"}]
-    assert guidance.widest_bf16_band(points)["label"] == "large b"
-
-
 def test_the_decisive_margin_and_the_b200_runs_by_k():
     record = {"results": {"rows": [{"dtype": "bf16", "margin": 0.2, "winner": "DATA"},
                                    {"dtype": "fp32", "margin": 0.031, "winner": "EOS"}]}}

@@ -182,3 +182,19 @@ def test_a_run_whose_shapes_all_match_full_is_said_to_have_no_order_band():
         "For organism · CPU · torch the order of the sums alone makes no band at all")
     assert exact_order_text([h200, fp16]).startswith("In every recorded bf16 run some shape moves a margin")
     assert exact_order_text([dict(h200, order=None)]).startswith("In every recorded bf16 run")
+
+
+def test_the_largest_bf16_band_is_the_largest_models_widest_at_the_default_spread():
+    from spectie.qwen_shapes import DEFAULT_LOGIT_STD
+    from spectie.reduction_order import largest_bf16_band
+
+    point = {"dtype": "bfloat16", "tf32": False, "logit_std": DEFAULT_LOGIT_STD}
+    points = [dict(point, parameters=8, band=0.9, label="small, wider"),
+              dict(point, parameters=800, band=0.5, label="large a"),
+              dict(point, parameters=800, band=0.7, label="large b"),
+              dict(point, parameters=800, band=1.2, label="large, another spread", logit_std=6.0),
+              dict(point, parameters=900, band=2.0, label="tf32", tf32=True),
+              dict(point, parameters=900, band=3.0, label="fp16", dtype="float16")]
+    assert largest_bf16_band(points)["label"] == "large b"
+    assert largest_bf16_band(points + [dict(point, parameters=1000, band=0.1, label="trained", logit_std=None)])[
+        "label"] == "trained"
