@@ -140,7 +140,7 @@ def _cmd_tiestop(args) -> int:
               "stop tokens: not checked against the model's end-of-text tokens (give --model)")
         for v in verdicts:
             mark = "FLAGGED" if v.flagged else "UNREAD" if v.unread else "ok"
-            where = f" at output token {v.position}" if v.position is not None else ""
+            where = f" at output token {v.position + 1}" if v.position is not None else ""  # counted from 1
             print(f"{mark:8} {v.request}{where}: {v.explanation}")
         flagged = sum(v.flagged for v in verdicts)
         unread = sum(v.unread for v in verdicts)

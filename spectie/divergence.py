@@ -137,9 +137,10 @@ def classify(model: str, prompt_ids: list[int], tokens_a: list[int], tokens_b: l
     order = row.argsort(descending=True).tolist()
     outside_a, outside_b = trailing(rows_a, tokens_a, threshold, decode), trailing(rows_b, tokens_b, threshold, decode)
     text_a, text_b = decode(a), decode(b)
-    head = f"at output token {index}, {text_a!r} and {text_b!r} are {abs(margin):.3f} logits apart in fp32"
+    # The explanation counts output tokens from 1, as the book's tables do; `position` fields stay 0-based.
+    head = f"at output token {index + 1}, {text_a!r} and {text_b!r} are {abs(margin):.3f} logits apart in fp32"
     if stop_position == index:
-        head = (f"sequence {stopped} stops at output token {index} where the other goes on (end-of-text against "
+        head = (f"sequence {stopped} stops at output token {index + 1} where the other goes on (end-of-text against "
                 f"{text_b if stopped == 'a' else text_a!r}, stop against continue); {head}")
     if abs(margin) > threshold:
         verdict = SUSPECTED_BUG
@@ -150,13 +151,13 @@ def classify(model: str, prompt_ids: list[int], tokens_a: list[int], tokens_b: l
         name, where = ("a", outside_a) if outside_a else ("b", outside_b)
         explanation = (f"{head} (a near-tie), but sequence {name} later picks, from its own context, tokens that "
                        f"the fp32 reference ranks more than the {threshold:.3f} noise band below its top-1 (first at "
-                       f"output token {where[0]['position']}, {where[0]['gap']:.3f} logits): look for a bug")
+                       f"output token {where[0]['position'] + 1}, {where[0]['gap']:.3f} logits): look for a bug")
     else:
         verdict = NEAR_TIE
         explanation = (f"{head} (within the {threshold:.3f} noise band), and every token of both sequences is within "
                        "the band of fp32's own choice: either is what some correct computation order picks")
     if stop_position is not None and stop_position != index:
-        explanation += (f"; sequence {stopped} later stops (end-of-text at output token {stop_position}) where the other "
+        explanation += (f"; sequence {stopped} later stops (end-of-text at output token {stop_position + 1}) where the other "
                         "goes on: that stop follows from this first divergence, not from a tie of its own")
     return Divergence(verdict, index, a, b, text_a, text_b, margin, float(served[a] - served[b]), decode(order[0]),
                       order.index(a) + 1, order.index(b) + 1, outside_a, outside_b, threshold, origin, explanation,

@@ -100,7 +100,7 @@ def test_stop_against_continue_from_real_vllm_cpu_records(tmp_path):
     assert result["stopped"] == "b" and result["stop_position"] == case["stop_position"]
     assert result["position"] == case["first_divergence"] and result["verdict"] in (divergence.NEAR_TIE,
                                                                                       divergence.SUSPECTED_BUG)
-    assert f"sequence b later stops (end-of-text at output token {case['stop_position']})" in result["explanation"]
+    assert f"sequence b later stops (end-of-text at output token {case['stop_position'] + 1})" in result["explanation"]
 
 
 def test_stop_against_continue_at_the_divergence_from_real_cuda_vllm_records():

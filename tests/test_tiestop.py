@@ -143,7 +143,7 @@ def test_the_command_line_reads_jsonl_and_says_what_it_flagged(tmp_path):
                                        capture_output=True, text=True)
     result = run(str(path), "--threshold", "0.5")
     assert result.returncode == 0, result.stderr
-    assert "FLAGGED  responses.jsonl:1/0 at output token 2" in result.stdout
+    assert "FLAGGED  responses.jsonl:1/0 at output token 3" in result.stdout
     assert "1 of 2 completion(s) flagged" in result.stdout
     assert run(str(path), "--threshold", "0.5", "--fail-on-flag").returncode == 1
     verdicts = [json.loads(line) for line in run(str(path), "--json", "--threshold", "0.5").stdout.splitlines()]
@@ -155,7 +155,7 @@ def test_the_command_line_reads_jsonl_and_says_what_it_flagged(tmp_path):
     result = run(str(path), "--model", "organism", "--threshold", "0.5")  # its end-of-text tokens
     assert result.returncode == 0, result.stderr
     assert "stop tokens: <|endoftext|>, <|im_end|> (ids 248044, 248046)" in result.stdout
-    assert "UNREAD   responses.jsonl:1/0 at output token 2: the last token with logprobs, ''" in result.stdout
+    assert "UNREAD   responses.jsonl:1/0 at output token 3: the last token with logprobs, ''" in result.stdout
     assert "1 stop(s) could not be read" in result.stdout
     first_line = run(str(path)).stdout.splitlines()[0]  # no model, no threshold: the reported swing, said so
     assert first_line.startswith("threshold 1.360 logits (reported: the EOS-DATA margin moved 1.36")
