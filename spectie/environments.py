@@ -53,6 +53,13 @@ def environment_status(env_id: str, records: list[dict]) -> str:
     return STATUS_NOT_RUN
 
 
+def pending_text(env: dict, records: list[dict]) -> str | None:
+    """Why an environment that has a plan has no record yet (its file's `pending`), while that stays true."""
+    if env.get("pending") and environment_status(env["id"], records) == STATUS_NOT_RUN:
+        return " ".join(env["pending"].split())
+    return None
+
+
 def check_record_environments(records: list[dict]) -> list[str]:
     """Problems: records that name an environment with no file in environments/."""
     known = load_environments()

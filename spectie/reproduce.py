@@ -112,21 +112,36 @@ def error_lines(record: dict) -> str:
                       *([where] if where else []), *([f"root cause (engine log): {cause}"] if cause else [])])
 
 
+def release(version: str | None) -> str | None:
+    """A vLLM version as its release, without a local build label: '0.32.0+cpu' -> '0.32.0'."""
+    return version.split("+")[0] if version else None
+
+
 def side_by_side(reported: list[dict], measured: list[dict]) -> pd.DataFrame:
     """Reported (incident) and measured outcomes, one row per configuration and environment, labelled;
-    measured rows are the runs of the incident's prompt (each host's first prompt seed)."""
+    measured rows are the runs of the incident's prompt (each host's first prompt seed). A measured run of a
+    vLLM release the incident names sits directly under that release's last reported row; the others follow."""
     environments = load_environments()
+    reported = [r for r in reported if r["kind"] == "engine-outcome"]
+    runs = measured_runs(first_prompt(measured))  # the incident's prompt; other prompts: seeds_rows
+    released = [{release(environments[e]["vllm"].get("version")) for e in r["environments"]} for r in reported]
+    last_of = {version: i for i, versions in enumerate(released) for version in versions if version}
+    under = {i: [m for m in runs if last_of.get(release(m["fingerprint"].get("vllm"))) == i]
+             for i in range(len(reported))}
+    placed = [m["id"] for rows in under.values() for m in rows]
+
+    def measured_row(r: dict) -> dict:
+        return {"provenance": "measured", "where": where_label(r), "model": model_name(r),
+                "configuration": measured_label(r["parameters"]), "outcome": status_label(r["results"]),
+                "record": r["id"]}
+
     rows = []
-    for r in reported:
-        if r["kind"] != "engine-outcome":
-            continue
+    for i, r in enumerate(reported):
         rows.append({"provenance": "reported", "where": environment_label(r["environments"], environments),
                      "model": "Qwen3.5 (the incident's)", "configuration": configuration_label(r["parameters"]),
                      "outcome": outcome_label(r["results"]), "record": r["id"]})
-    for r in measured_runs(first_prompt(measured)):  # the incident's prompt; other prompts: seeds_rows
-        rows.append({"provenance": "measured", "where": where_label(r),
-                     "model": model_name(r), "configuration": measured_label(r["parameters"]),
-                     "outcome": status_label(r["results"]), "record": r["id"]})
+        rows += [measured_row(m) for m in under[i]]
+    rows += [measured_row(m) for m in runs if m["id"] not in placed]
     return pd.DataFrame(rows)
 
 

@@ -103,6 +103,15 @@ def test_environments_and_their_status(records):
     assert environment_status("h200", records + [measured]) == "measured here"
 
 
+def test_a_planned_environment_says_why_it_has_no_record_only_while_it_has_none(records):
+    from spectie.environments import pending_text
+
+    env = {"id": "h200", "pending": "no H200\n  was lent."}
+    assert pending_text(env, records) == "no H200 was lent."
+    assert pending_text(env, records + [{"provenance": "measured", "environments": ["h200"]}]) is None
+    assert pending_text({"id": "h200"}, records) is None
+
+
 def test_the_reports_three_names_for_the_stop_are_set_side_by_side():
     from spectie.incident import positions_text
 

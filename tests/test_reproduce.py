@@ -584,3 +584,31 @@ def test_tokens_before_stop_leaves_out_the_end_of_text_token():
     assert runner.tokens_before_stop({"finish_reason": "stop", "stop_reason": 248046, "output_tokens": 11}) == 10
     assert runner.tokens_before_stop({"finish_reason": "stop", "stop_reason": "\n\n", "output_tokens": 11}) == 11
     assert runner.tokens_before_stop({"finish_reason": "length", "stop_reason": None, "output_tokens": 96}) is None
+
+
+def test_a_measured_run_of_a_release_the_incident_names_sits_under_its_reported_rows():
+    from spectie.records import load_records
+    from spectie.reproduce import side_by_side
+
+    def run(env, vllm, configuration="plain"):
+        return {"id": f"{env}-{configuration}", "provenance": "measured", "kind": "engine-outcome",
+                "environments": [env], "started_at": "2026-12-05T00:00:00Z",
+                "fingerprint": {"host_id": env, "vllm": vllm, "vllm_platform": "cuda", "gpu": "NVIDIA H200"},
+                "parameters": {"configuration": configuration, "baseline": "plain", "matrix": "incident",
+                               "method": "none", "model": "organism", "prompt_seed": 0},
+                "results": {"status": "ok", "stopped_early": False, "repeats": []}}
+
+    reported = load_records(chapter="incident", kind="engine-outcome")
+    measured = [run("v0.26.0-h200", "0.26.0"), run("v0.32.0-h200", "0.32.0"), run("cpu", "0.32.0+cpu"),
+                run("v0.32.0-h200", "0.32.0", "mtp-v2-k1")]
+    table = side_by_side(reported, measured)
+    assert list(table["provenance"]).count("reported") == len(reported)
+    rows = list(table["record"])
+    last_032 = max(i for i, where in enumerate(table["where"]) if "v0.32.0" in where
+                   and table["provenance"][i] == "reported")
+    # Both 0.32.0 builds follow the release's reported rows at once (baseline first); 0.26.0, never reported, last.
+    assert rows[last_032 + 1:] == ["cpu-plain", "v0.32.0-h200-plain", "v0.32.0-h200-mtp-v2-k1", "v0.26.0-h200-plain"]
+    # Without a 0.32.0 report, the same runs simply follow the reported rows.
+    others = [r for r in reported if "v0.32.0-rtx4090" not in r["environments"]]
+    assert list(side_by_side(others, measured)["record"])[len(others):] == [
+        "cpu-plain", "v0.26.0-h200-plain", "v0.32.0-h200-plain", "v0.32.0-h200-mtp-v2-k1"]
