@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Builds, on this (CPU, online-to-PyPI) machine, the kit that makes vLLM 0.32.0 with torch 2.13.0 importable
-# on the offline H200 (Python 3.12.3, glibc 2.39, driver 580, its own torch 2.11.0+cu130 and CUDA 13.0.2
-# libraries), installed into its own folder (/tmp/site213) so the host's torch stays as it is.
+# Builds, on this (CPU, online-to-PyPI) machine, the kit that makes vLLM 0.32.0 (or 0.31.0: VLLM=0.31.0) with
+# torch 2.13.0 importable on the offline H200 (Python 3.12.3, glibc 2.39, driver 580, its own torch 2.11.0+cu130
+# and CUDA 13.0.2 libraries), installed into its own folder (/tmp/site213) so the host's torch stays as it is.
 # Usage: scripts/kit213/make_kit.sh OUTDIR        (see scripts/kit213/README.md; ~1.3 GB of downloads,
 #        ~22 min here, almost all of it LZMA)
 #        scripts/kit213/make_kit.sh OUTDIR --list (the transfer list of a kit built before)
@@ -9,6 +9,8 @@
 #   KIT_EXTRA_LIBS="cudnn cublas cusparselt"  also carry torch 2.13's exact cuDNN 9.20.0.48 / cuBLAS 13.1.1.3 /
 #                                             cuSPARSELt 0.8.1 (default: none; the host's 9.19 / 13.1.0.3 / 0.8.0
 #                                             export every symbol torch 2.13 needs, see README)
+#   VLLM=0.32.0 (default) or 0.31.0           the release carried; both pin torch 2.13.0 and torchvision 0.28.0,
+#                                             and their other wheels differ only as step 2 says
 #   LZMA_PRESET=6   REPACK=1 (0: carry the wheels as PyPI serves them)   PART_MIB=60 (size of one transfer)
 # Writes OUTDIR/download (PyPI's wheels), OUTDIR/wheels (repacked), OUTDIR/groups/gNN (one folder per
 # transfer), OUTDIR/KIT.txt (what is in it), and prints the transfer list.
@@ -61,12 +63,21 @@ done
 #    httpx/anyio. Versions: what `pip install vllm==0.32.0 torchvision==0.28.0` resolved on 2026-12-04.
 #    transformers 5.19.0 (vLLM pins >=5.16.1,<5.20; the image's 5.17 would do, 5.19 matches the CPU
 #    environment) checks huggingface-hub>=1.31 when imported, and hub 2.4 brings httpx2/httpcore2/truststore.
-python_pkgs=(vllm==0.32.0
-  transformers==5.19.0 huggingface-hub==2.4.0 tokenizers==0.23.3 httpx2==2.17.0 httpcore2==2.17.0 truststore==0.10.5
+#    vLLM 0.31.0 (VLLM=0.31.0) pins transformers <5.18 and xgrammar 0.2.7; `pip install vllm==0.31.0
+#    torchvision==0.28.0` resolved (2026-12-05) transformers 5.17.0 with huggingface-hub 1.33.0 (httpx, httpcore,
+#    hf-xet: hub 1.x does not use httpx2) and otherwise the same versions as 0.32.0's.
+case ${VLLM:-0.32.0} in
+  0.32.0) release_pkgs=(vllm==0.32.0 xgrammar==0.2.8 transformers==5.19.0 huggingface-hub==2.4.0
+                        httpx2==2.17.0 httpcore2==2.17.0 truststore==0.10.5) ;;
+  0.31.0) release_pkgs=(vllm==0.31.0 xgrammar==0.2.7 transformers==5.17.0 huggingface-hub==1.33.0
+                        httpx==0.29.0 httpcore==1.0.9 hf-xet==1.8.0) ;;
+  *) echo "VLLM: unknown release '$VLLM' (0.32.0, 0.31.0)" >&2; exit 2 ;;
+esac
+python_pkgs=("${release_pkgs[@]}" tokenizers==0.23.3
   click==8.5.1 h11==0.16.0 anyio==4.16.0 idna==3.20 sniffio==1.3.1
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 annotated-doc==0.0.7 typing-inspection==0.4.5
   typing-extensions==4.16.0
-  apache-tvm-ffi==0.1.11 xgrammar==0.2.8 llguidance==1.7.6 compressed-tensors==0.17.0 loguru==0.7.3
+  apache-tvm-ffi==0.1.11 llguidance==1.7.6 compressed-tensors==0.17.0 loguru==0.7.3
   blake3==1.0.11 cachetools==8.0.2 cbor2==6.3.0 msgspec==0.23.0 pybase64==1.5.1 pyzmq==27.3.0
   partial-json-parser==0.2.1.1.post7 fastapi==0.136.3 starlette==1.10.0 openai==3.63.0 jiter==0.19.0
   oss-harmony==0.0.11 aiohttp==3.14.5 aiohappyeyeballs==2.7.1 aiosignal==1.4.0 attrs==26.1.0 frozenlist==1.8.0
