@@ -44,6 +44,24 @@ def get_environment(name: str) -> dict:
     return environments[name]
 
 
+def release(version: str | None) -> str | None:
+    """A vLLM version as its release, without a local build label: '0.32.0+cpu' -> '0.32.0'."""
+    return version.split("+")[0] if version else None
+
+
+def incident_releases(environments: dict[str, dict]) -> list[str]:
+    """The vLLM releases of the incident's environments (a nightly commit is no release)."""
+    return sorted({release(env["vllm"].get("version")) for env in environments.values()
+                   if env["named_in_incident"] and env["vllm"].get("version")})
+
+
+def gpu_releases(records: list[dict]) -> list[str]:
+    """The vLLM releases that ran an engine here on a GPU (measured engine outcomes)."""
+    return sorted({release(r["fingerprint"].get("vllm")) for r in records
+                   if r["provenance"] == "measured" and r["kind"] == "engine-outcome"
+                   and r["fingerprint"].get("gpu") and r["fingerprint"].get("vllm")})
+
+
 def environment_status(env_id: str, records: list[dict]) -> str:
     """What the book says of an environment, derived from the records (never stored by hand)."""
     if any(r["provenance"] == "measured" and env_id in r["environments"] for r in records):

@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from spectie import qwen_shapes
-from spectie.environments import load_environments
+from spectie.environments import load_environments, release
 from spectie.incident import configuration_label, environment_label, outcome_label
 from spectie.records import model_name
 from spectie.engines.runner import root_cause, tokens_written
@@ -110,11 +110,6 @@ def error_lines(record: dict) -> str:
     cause = root_cause(error)
     return "\n".join([f"{error['type']} during {error['phase']}: {error['message'][-400:]}",
                       *([where] if where else []), *([f"root cause (engine log): {cause}"] if cause else [])])
-
-
-def release(version: str | None) -> str | None:
-    """A vLLM version as its release, without a local build label: '0.32.0+cpu' -> '0.32.0'."""
-    return version.split("+")[0] if version else None
 
 
 def side_by_side(reported: list[dict], measured: list[dict]) -> pd.DataFrame:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from spectie.environments import gpu_releases, incident_releases
 from spectie.tiestop import REFERENCE_ID, Reference, reference
 
 NEAR_TIE = "a numerical near-tie, not a speculative-decoding correctness bug"
@@ -174,6 +175,12 @@ def verdict(records: list[dict], environments: dict[str, dict]) -> Verdict:
     if missing:
         result.not_measured.append("the incident's environments were not run here: " + ", ".join(
             f"{environments[e]['title']}" for e in missing))
+    unrun = [v for v in incident_releases(environments) if v not in gpu_releases(records)]
+    if unrun:
+        ran = gpu_releases(records)
+        result.not_measured.append(
+            f"the incident's vLLM release{'s' if len(unrun) > 1 else ''} {' and '.join(unrun)} did not run here on "
+            "a GPU" + (f" (the GPU runs here are of vLLM {' and '.join(ran)}, measured)" if ran else ""))
     result.not_measured.append(spread_sentence(records))
     return result
 

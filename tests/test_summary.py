@@ -82,6 +82,27 @@ def test_a_trained_qwen_measured_here_makes_it_strong_and_leaves_the_not_measure
     assert "v0.32.0 stock wheel on RTX 4090" in " ".join(summary.verdict(reported, envs).not_measured)
 
 
+def test_the_not_measured_list_names_the_incidents_releases_no_gpu_ran_here(reported):
+    envs = load_environments()
+
+    def run(vllm, gpu):
+        return {"id": vllm, "provenance": "measured", "kind": "engine-outcome", "environments": ["cpu"],
+                "fingerprint": {"vllm": vllm, "gpu": gpu}, "parameters": {"model": "organism"}, "results": {}}
+
+    def unrun(records):
+        return [line for line in summary.verdict(reported + records, envs).not_measured
+                if line.startswith("the incident's vLLM release")]
+
+    assert unrun([]) == ["the incident's vLLM releases 0.31.0 and 0.32.0 did not run here on a GPU"]
+    # A CPU build of 0.32.0 is no GPU run; another release's GPU run is named as what ran instead.
+    assert unrun([run("0.32.0+cpu", None), run("0.26.0", "NVIDIA H200")]) == [
+        "the incident's vLLM releases 0.31.0 and 0.32.0 did not run here on a GPU (the GPU runs here are of vLLM "
+        "0.26.0, measured)"]
+    assert unrun([run("0.32.0", "NVIDIA H200")]) == ["the incident's vLLM release 0.31.0 did not run here on a GPU "
+                                                     "(the GPU runs here are of vLLM 0.32.0, measured)"]
+    assert unrun([run("0.31.0", "NVIDIA H200"), run("0.32.0", "NVIDIA H200")]) == []
+
+
 def test_flip_curves_count_flips_and_the_largest_flipped_margin():
     record = {"kind": "flip-curve", "provenance": "measured", "id": "f", "fingerprint": {"gpu": None},
               "parameters": {"model": "organism"},
