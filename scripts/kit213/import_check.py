@@ -1,4 +1,4 @@
-"""Import, one by one, every module that a vLLM 0.32.0 engine run on Qwen3.5 (plain, ngram, ngram_gpu, mtp;
+"""Import, one by one, every module that a vLLM 0.32.0 (or 0.31.0) engine run on Qwen3.5 (plain, ngram, ngram_gpu, mtp;
 V1 and V2 model runners; language_model_only; gdn_prefill_backend="triton") goes through, and say what is
 missing. Used on the H200 by the kit's gpu_install.sh (after the install, before any engine) and offline
 on a CPU machine (there, modules that load CUDA kernels need libcuda.so.1: give a stub, see README).
@@ -64,7 +64,11 @@ def load_extensions() -> int:
     import torch
     root = os.path.dirname(os.path.dirname(torch.__file__))
     failed = 0
+    this_python = f".cpython-{sys.version_info.major}{sys.version_info.minor}-"
     for path in sorted(glob.glob(root + "/vllm/**/*.so", recursive=True) + glob.glob(root + "/torchvision/*.so")):
+        if ".cpython-" in path and this_python not in path:
+            print(f"skip  {path[len(root) + 1:]} (built for another Python; this Python never loads it)")
+            continue
         try:
             ctypes.CDLL(path, mode=os.RTLD_NOW | os.RTLD_GLOBAL)
             print(f"ok    {path[len(root) + 1:]} (loaded)")

@@ -64,13 +64,14 @@ done
 #    transformers 5.19.0 (vLLM pins >=5.16.1,<5.20; the image's 5.17 would do, 5.19 matches the CPU
 #    environment) checks huggingface-hub>=1.31 when imported, and hub 2.4 brings httpx2/httpcore2/truststore.
 #    vLLM 0.31.0 (VLLM=0.31.0) pins transformers <5.18 and xgrammar 0.2.7; `pip install vllm==0.31.0
-#    torchvision==0.28.0` resolved (2026-12-05) transformers 5.17.0 with huggingface-hub 1.33.0 (httpx, httpcore,
-#    hf-xet: hub 1.x does not use httpx2) and otherwise the same versions as 0.32.0's.
+#    torchvision==0.28.0` resolved (2026-12-05) transformers 5.17.0 with huggingface-hub 1.33.0 (which talks
+#    through httpx, httpcore and hf-xet) and otherwise the same versions as 0.32.0's; httpx2 stays for openai.
 case ${VLLM:-0.32.0} in
   0.32.0) release_pkgs=(vllm==0.32.0 xgrammar==0.2.8 transformers==5.19.0 huggingface-hub==2.4.0
                         httpx2==2.17.0 httpcore2==2.17.0 truststore==0.10.5) ;;
   0.31.0) release_pkgs=(vllm==0.31.0 xgrammar==0.2.7 transformers==5.17.0 huggingface-hub==1.33.0
-                        httpx==0.29.0 httpcore==1.0.9 hf-xet==1.8.0) ;;
+                        httpx==0.29.0 httpcore==1.0.9 hf-xet==1.8.0
+                        httpx2==2.17.0 httpcore2==2.17.0 truststore==0.10.5) ;;   # httpx2: openai 3.63's
   *) echo "VLLM: unknown release '$VLLM' (0.32.0, 0.31.0)" >&2; exit 2 ;;
 esac
 python_pkgs=("${release_pkgs[@]}" tokenizers==0.23.3
