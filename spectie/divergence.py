@@ -457,8 +457,7 @@ def write_verdicts(rows: list[dict], engine_records: list[dict], model: str, thr
     rows of `classify_cases` on its `recorded_pairs`): computed on this host, about the engine outputs of
     `engine_records`' environment, with the band used. The summary reads it instead of classifying again."""
     from spectie.fingerprint import host_id
-    from spectie.records import measured_record
-    from spectie.records import measured_path, write_record
+    from spectie.records import measured_path, measured_record, write_record
 
     source = engine_records[0]
     parameters = {"model": model, "engine_environment": source["environments"][0],

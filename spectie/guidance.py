@@ -478,11 +478,12 @@ def classifier_facts(runs: list[dict], results: list[tuple[dict, divergence.Dive
     suspected = [r["parameters"]["configuration"] for r, result in results
                  if result.verdict == divergence.SUSPECTED_BUG]
     base, changed = changed_completions(runs)
+    positions = divergence_positions(results)
     return {
         "vllm_near_ties": sum(1 for _, result in results if result.verdict == divergence.NEAR_TIE),
         "vllm_divergences": len(results),
-        "vllm_divergence_at": divergence_positions(results),
-        "upstream_text": upstream_text(changed, base, divergence_positions(results)),
+        "vllm_divergence_at": positions,
+        "upstream_text": upstream_text(changed, base, positions),
         "suspected_note": "; it calls " + ", ".join(suspected) + " a suspected correctness bug (below)" if suspected
         else "; none is a suspected bug",
         "vllm_suspected": suspected_text(results),

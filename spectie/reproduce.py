@@ -121,9 +121,10 @@ def side_by_side(reported: list[dict], measured: list[dict]) -> pd.DataFrame:
     runs = measured_runs(first_prompt(measured))  # the incident's prompt; other prompts: seeds_rows
     released = [{release(environments[e]["vllm"].get("version")) for e in r["environments"]} for r in reported]
     last_of = {version: i for i, versions in enumerate(released) for version in versions if version}
-    under = {i: [m for m in runs if last_of.get(release(m["fingerprint"].get("vllm"))) == i]
-             for i in range(len(reported))}
-    placed = [m["id"] for rows in under.values() for m in rows]
+
+    def under(m: dict) -> int | None:
+        """The reported row a measured run goes under: the last of its release's, None if none."""
+        return last_of.get(release(m["fingerprint"].get("vllm")))
 
     def measured_row(r: dict) -> dict:
         return {"provenance": "measured", "where": where_label(r), "model": model_name(r),
@@ -135,8 +136,8 @@ def side_by_side(reported: list[dict], measured: list[dict]) -> pd.DataFrame:
         rows.append({"provenance": "reported", "where": environment_label(r["environments"], environments),
                      "model": "Qwen3.5 (the incident's)", "configuration": configuration_label(r["parameters"]),
                      "outcome": outcome_label(r["results"]), "record": r["id"]})
-        rows += [measured_row(m) for m in under[i]]
-    rows += [measured_row(m) for m in runs if m["id"] not in placed]
+        rows += [measured_row(m) for m in runs if under(m) == i]
+    rows += [measured_row(m) for m in runs if under(m) is None]
     return pd.DataFrame(rows)
 
 

@@ -175,9 +175,9 @@ def verdict(records: list[dict], environments: dict[str, dict]) -> Verdict:
     if missing:
         result.not_measured.append("the incident's environments were not run here: " + ", ".join(
             f"{environments[e]['title']}" for e in missing))
-    unrun = [v for v in incident_releases(environments) if v not in gpu_releases(records)]
+    ran = gpu_releases(records)
+    unrun = [v for v in incident_releases(environments) if v not in ran]
     if unrun:
-        ran = gpu_releases(records)
         result.not_measured.append(
             f"the incident's vLLM release{'s' if len(unrun) > 1 else ''} {' and '.join(unrun)} did not run here on "
             "a GPU" + (f" (the GPU runs here are of vLLM {' and '.join(ran)}, measured)" if ran else ""))

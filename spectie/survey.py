@@ -40,14 +40,13 @@ def run(model: str, environment: str, count: int = 32, configurations: list[str]
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from spectie.fingerprint import host_id, now
-    from spectie.records import measured_record
     from spectie.engines.matrix import read_matrix
+    from spectie.engines.runner import (check_matrix, engine_python, engine_fingerprint, probe_vllm,
+                                        request_for, run_child, slot_environment)
+    from spectie.fingerprint import host_id, now
     from spectie.paths import project_root
     from spectie.prompts import build_prompt
-    from spectie.records import measured_path, write_record
-    from spectie.engines.runner import (check_matrix, engine_python, engine_fingerprint, probe_vllm,
-                                   request_for, run_child, slot_environment)
+    from spectie.records import measured_path, measured_record, write_record
 
     from spectie.chapters import current_hash
 
@@ -286,10 +285,9 @@ def inject(model: str, environment: str, count: int = 24, new_tokens: int = 200,
 
     from spectie.chapters import current_hash
     from spectie.fingerprint import host_id, now
-    from spectie.records import measured_record
     from spectie.model import end_of_text_ids, load_model, torch_dtype
     from spectie.prompts import build_prompt
-    from spectie.records import measured_path, write_record
+    from spectie.records import measured_path, measured_record, write_record
 
     check_new_tokens(new_tokens)
     torch_dtype(dtype)

@@ -237,7 +237,6 @@ class Reference:
         return (self.fp32 > 0) != (self.bf16 > 0)
 
 
-
 def reference(record: dict) -> Reference:
     """The margins of a logit-comparison record, signed as EOS over its rival."""
     rows = {row["dtype"]: row for row in record["results"]["rows"]}
