@@ -4,18 +4,31 @@
 # ENV (v0.32.0-h200, or v0.31.0-h200 from a VLLM=0.31.0 kit) from the kit's wheels (make venv), then the
 # reproduce chapter through make run with environments/runs/ENV-reproduce.yaml, stopped after SECONDS (a remote
 # command lasts at most 10 minutes: a later call resumes, given the records written so far).
-# Each step is skipped when a call on the same held host already did it.
+# Each step is skipped when a call on the same held host already did it. The records are kept in
+# /tmp/h200-records between calls on the same held host (the next call's copy of the checkout lacks them)
+# and packed into $OUT/records.tgz with the run's log, so none is lost when a call ends at its limit.
 # Usage: bash scripts/kit213/h200_reproduce.sh WHEEL_DIR [SECONDS] [ENV]
 set -euo pipefail
 wheels=${1:?usage: scripts/kit213/h200_reproduce.sh WHEEL_DIR [SECONDS] [ENV]}
 seconds=${2:-480}
 env=${3:-v0.32.0-h200}
 t0=$(date +%s)
+keep=/tmp/h200-records
+mkdir -p "$keep" results/measured && cp -a "$keep"/. results/measured/
 [ -f .venv/.setup-stamp ] || bash scripts/offline_setup.sh "$wheels"
 [ -d /tmp/parts/wheels ] || JOIN_ONLY=1 bash /tmp/parts/gpu_install.sh
 [ -x ".venvs/$env/bin/python" ] || make venv ENV="$env" WHEELS=/tmp/parts/wheels
 echo "h200_reproduce: set up in $(( $(date +%s) - t0 )) s"
 status=0
+log=${OUT:-/tmp}/make-run.log
 timeout "$seconds" make run CHAPTER=reproduce ENV="$env" \
-  PARAMS="environments/runs/$env-reproduce.yaml" || status=$?
+  PARAMS="environments/runs/$env-reproduce.yaml" > "$log" 2>&1 || status=$?
+tail -c 6000 "$log"
 echo "h200_reproduce: make run exit status $status after $(( $(date +%s) - t0 )) s"
+shopt -s nullglob
+made=(results/measured/"$env"-*)
+if [ ${#made[@]} -gt 0 ]; then
+  cp -a "${made[@]}" "$keep"/
+  [ -z "${OUT:-}" ] || tar -czf "$OUT/records.tgz" "${made[@]}"
+fi
+echo "h200_reproduce: $(find "$keep" -name '*.json' | wc -l) records kept in $keep"
