@@ -7,6 +7,9 @@
 # Each step is skipped when a call on the same held host already did it. The records are kept in
 # /tmp/h200-records between calls on the same held host (the next call's copy of the checkout lacks them)
 # and packed into $OUT/records.tgz with the run's log, so none is lost when a call ends at its limit.
+# SECONDS=0 sets up and checks only (torch on the GPU, vLLM's version, memory and disk), and returns: on
+# 2026-12-05 the host stopped answering ~8 min into one call that set up and ran, and nothing came back, so
+# set up in a call of its own, then run the matrix in calls of a few minutes each (each returns its records).
 # Usage: bash scripts/kit213/h200_reproduce.sh WHEEL_DIR [SECONDS] [ENV]
 set -euo pipefail
 wheels=${1:?usage: scripts/kit213/h200_reproduce.sh WHEEL_DIR [SECONDS] [ENV]}
@@ -19,6 +22,12 @@ mkdir -p "$keep" results/measured && cp -a "$keep"/. results/measured/
 [ -d /tmp/parts/wheels ] || JOIN_ONLY=1 bash /tmp/parts/gpu_install.sh
 [ -x ".venvs/$env/bin/python" ] || make venv ENV="$env" WHEELS=/tmp/parts/wheels
 echo "h200_reproduce: set up in $(( $(date +%s) - t0 )) s"
+if [ "$seconds" = 0 ]; then
+  ".venvs/$env/bin/python" -c "import torch, vllm; print('torch', torch.__version__, torch.zeros(1).cuda().device,
+      '| vllm', vllm.__version__)"
+  free -g | head -2; df -h . /tmp | tail -n +2
+  exit 0
+fi
 status=0
 log=${OUT:-/tmp}/make-run.log
 timeout "$seconds" make run CHAPTER=reproduce ENV="$env" \
