@@ -4,7 +4,7 @@ recorded vLLM runs, and the classifier on a planted state bug."""
 from __future__ import annotations
 
 from spectie import divergence, tiestop
-from spectie.engines.runner import tokens_written
+from spectie.engines.runner import stopped_earlier, tokens_written
 
 
 def detector_rows(records: list[dict], threshold: float) -> list[dict]:
@@ -407,8 +407,7 @@ def run_facts(runs: list[dict]) -> dict:
         "vllm_version": runs[0]["fingerprint"]["vllm"] if runs else "—",
         "speculative_ran": len(ran),
         "speculative_changed": len(changed),
-        "speculative_earlier": sum(1 for r in ran if base and r["results"]["repeats"][0]["output_tokens"]
-                                   < base["output_tokens"]),
+        "speculative_earlier": sum(1 for r in ran if base and stopped_earlier(r["results"]["repeats"][0], base)),
         "baseline_outcome": outcome(base) if base else "—",
         "changed_outcomes": grouped_outcomes(changed) or "none",
         "k_outcomes": grouped_outcomes({f"K = {k}": mtp[k] for k in sorted(mtp)}) or "no MTP run recorded",

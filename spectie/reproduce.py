@@ -16,7 +16,7 @@ from spectie import qwen_shapes
 from spectie.environments import load_environments, release
 from spectie.incident import configuration_label, environment_label, outcome_label
 from spectie.records import model_name
-from spectie.engines.runner import root_cause, tokens_written
+from spectie.engines.runner import root_cause, stopped_earlier, tokens_written
 
 STATUS_COLOURS = {"unsupported": "#dddddd", "crashed": "#b0b0b0", "interrupted": "#eeeeee"}
 
@@ -170,9 +170,9 @@ def grid_class(repeat: dict, baseline: dict | None) -> str:
     if repeat.get("same_as_baseline") or repeat["token_hash"] == baseline["token_hash"]:
         return "as plain greedy"
     stopped, base_stopped = repeat["finish_reason"] == "stop", baseline["finish_reason"] == "stop"
-    if stopped and (not base_stopped or repeat["output_tokens"] < baseline["output_tokens"]):
+    if stopped_earlier(repeat, baseline):
         return "stopped earlier than plain greedy"
-    if stopped and repeat["output_tokens"] > baseline["output_tokens"]:
+    if stopped and tokens_written(repeat) > tokens_written(baseline):
         return "stopped later than plain greedy"
     if not stopped and base_stopped:
         return "ran on where plain greedy stopped"

@@ -122,6 +122,16 @@ def test_runs_are_told_apart_from_their_baseline():
     assert guidance.changed_completions(runs[1:]) == (None, {})
 
 
+def test_a_stop_on_the_last_allowed_token_is_earlier_than_a_run_to_the_limit():
+    # Plain greedy wrote 4 tokens to the limit; MTP K = 1 wrote 3 and its end-of-text took the 4th place: as many
+    # output tokens, but it stopped and wrote fewer. K = 2 wrote plain greedy's tokens; a later stop is not earlier.
+    runs = [_run("plain", [7, 8, 9, 10], method="none", finish="length"), _run("mtp-k1", [7, 8, 11, 0], k=1),
+            _run("mtp-k2", [7, 8, 9, 10], k=2, finish="length")]
+    assert guidance.run_facts(runs)["speculative_earlier"] == 1
+    later = [_run("plain", [7, 8, 0], method="none"), _run("mtp-k1", [7, 8, 9, 0], k=1)]
+    assert guidance.run_facts(later)["speculative_earlier"] == 0
+
+
 def test_run_facts_say_what_ran_what_changed_and_how_it_ended():
     facts = guidance.run_facts(_runs())
     assert {name: facts[name] for name in ("vllm_version", "speculative_ran", "speculative_changed",

@@ -309,6 +309,14 @@ def tokens_written(repeat: dict) -> int:
     return repeat["output_tokens"] if before is None else before
 
 
+def stopped_earlier(repeat: dict, baseline: dict) -> bool:
+    """Whether a repeat stopped before its baseline did: it stopped where the baseline ran to the limit, or
+    both stopped and it wrote fewer tokens (the end-of-text token not counted on either side)."""
+    if repeat["finish_reason"] != "stop":
+        return False
+    return baseline["finish_reason"] != "stop" or tokens_written(repeat) < tokens_written(baseline)
+
+
 def summarize(outcome: Outcome, config: EngineConfig, prompt_len: int, baseline: list[int] | None) -> dict:
     """The record's results: status, per-repeat outcomes, distinct outputs, the baseline comparison.
 
