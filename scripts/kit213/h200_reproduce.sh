@@ -7,9 +7,11 @@
 # Each step is skipped when a call on the same held host already did it. The records are kept in
 # /tmp/h200-records between calls on the same held host (the next call's copy of the checkout lacks them)
 # and packed into $OUT/records.tgz with the run's log, so none is lost when a call ends at its limit.
-# SECONDS=0 sets up and checks only (torch on the GPU, vLLM's version, memory and disk), and returns: on
-# 2026-12-05 the host stopped answering ~8 min into one call that set up and ran, and nothing came back, so
-# set up in a call of its own, then run the matrix in calls of a few minutes each (each returns its records).
+# SECONDS=0 does one setup step per call (the project's .venv, the join, make venv, in that order) and returns;
+# once all three are done it checks (torch on the GPU, vLLM's version, memory and disk) and prints
+# "h200_reproduce: ready". On 2026-12-05 the host stopped answering ~8 min into one call that set up and ran,
+# and nothing came back: a step in a call of its own names the step a dying host died in, and every earlier
+# step's output has come back. Then run the matrix in calls of a few minutes each (each returns its records).
 # Usage: bash scripts/kit213/h200_reproduce.sh WHEEL_DIR [SECONDS] [ENV]
 set -euo pipefail
 wheels=${1:?usage: scripts/kit213/h200_reproduce.sh WHEEL_DIR [SECONDS] [ENV]}
@@ -18,14 +20,23 @@ env=${3:-v0.32.0-h200}
 t0=$(date +%s)
 keep=/tmp/h200-records
 mkdir -p "$keep" results/measured && cp -a "$keep"/. results/measured/
-[ -f .venv/.setup-stamp ] || bash scripts/offline_setup.sh "$wheels"
-[ -d /tmp/parts/wheels ] || JOIN_ONLY=1 bash /tmp/parts/gpu_install.sh
-[ -x ".venvs/$env/bin/python" ] || make venv ENV="$env" WHEELS=/tmp/parts/wheels
+step() {  # step NAME DONE-TEST COMMAND...: runs COMMAND unless DONE-TEST holds; in a setup call, one step only
+  local name=$1 done=$2; shift 2
+  if eval "$done"; then return 0; fi
+  echo "h200_reproduce: step '$name' starts"
+  "$@"
+  echo "h200_reproduce: step '$name' done after $(( $(date +%s) - t0 )) s"
+  if [ "$seconds" = 0 ]; then exit 0; fi
+}
+step "project .venv" '[ -f .venv/.setup-stamp ]' bash scripts/offline_setup.sh "$wheels"
+step "join" '[ -d /tmp/parts/wheels ]' env JOIN_ONLY=1 bash /tmp/parts/gpu_install.sh
+step "make venv" '[ -x ".venvs/$env/bin/python" ]' make venv ENV="$env" WHEELS=/tmp/parts/wheels
 echo "h200_reproduce: set up in $(( $(date +%s) - t0 )) s"
 if [ "$seconds" = 0 ]; then
   ".venvs/$env/bin/python" -c "import torch, vllm; print('torch', torch.__version__, torch.zeros(1).cuda().device,
       '| vllm', vllm.__version__)"
   free -g | head -2; df -h . /tmp | tail -n +2
+  echo "h200_reproduce: ready"
   exit 0
 fi
 status=0
