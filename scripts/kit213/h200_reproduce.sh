@@ -20,17 +20,17 @@ env=${3:-v0.32.0-h200}
 t0=$(date +%s)
 keep=/tmp/h200-records
 mkdir -p "$keep" results/measured && cp -a "$keep"/. results/measured/
-step() {  # step NAME DONE-TEST COMMAND...: runs COMMAND unless DONE-TEST holds; in a setup call, one step only
-  local name=$1 done=$2; shift 2
-  if eval "$done"; then return 0; fi
+step() {  # step NAME TEST PATH COMMAND...: runs COMMAND unless `[ TEST PATH ]` holds; in a setup call, one step only
+  local name=$1 test=$2 path=$3; shift 3
+  if [ "$test" "$path" ]; then return 0; fi
   echo "h200_reproduce: step '$name' starts"
   "$@"
   echo "h200_reproduce: step '$name' done after $(( $(date +%s) - t0 )) s"
   if [ "$seconds" = 0 ]; then exit 0; fi
 }
-step "project .venv" '[ -f .venv/.setup-stamp ]' bash scripts/offline_setup.sh "$wheels"
-step "join" '[ -d /tmp/parts/wheels ]' env JOIN_ONLY=1 bash /tmp/parts/gpu_install.sh
-step "make venv" '[ -x ".venvs/$env/bin/python" ]' make venv ENV="$env" WHEELS=/tmp/parts/wheels
+step "project .venv" -f .venv/.setup-stamp bash scripts/offline_setup.sh "$wheels"
+step "join" -d /tmp/parts/wheels env JOIN_ONLY=1 bash /tmp/parts/gpu_install.sh
+step "make venv" -x ".venvs/$env/bin/python" make venv ENV="$env" WHEELS=/tmp/parts/wheels
 echo "h200_reproduce: set up in $(( $(date +%s) - t0 )) s"
 if [ "$seconds" = 0 ]; then
   ".venvs/$env/bin/python" -c "import torch, vllm; print('torch', torch.__version__, torch.zeros(1).cuda().device,
