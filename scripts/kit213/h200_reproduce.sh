@@ -12,19 +12,35 @@
 # "h200_reproduce: ready". On 2026-12-05 the host stopped answering ~8 min into one call that set up and ran,
 # and nothing came back: a step in a call of its own names the step a dying host died in, and every earlier
 # step's output has come back. Then run the matrix in calls of a few minutes each (each returns its records).
+# ENV without a card (v0.32.0, v0.31.0) takes the card from nvidia-smi: v0.32.0-h100 on an H100, -h200 on an H200.
+# A step's output goes to /tmp/reproduce-steps/NAME.log; a step that a call left unfinished is reported (memory,
+# disk, the log's last lines) before it is tried again.
 # Usage: bash scripts/kit213/h200_reproduce.sh WHEEL_DIR [SECONDS] [ENV]
 set -euo pipefail
 wheels=${1:?usage: scripts/kit213/h200_reproduce.sh WHEEL_DIR [SECONDS] [ENV]}
 seconds=${2:-480}
-env=${3:-v0.32.0-h200}
+env=${3:-v0.32.0}
+if [[ $env != *-h[0-9]* ]]; then
+  card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oiE 'h[0-9]{3}' | tr 'H' 'h')
+  [ -n "$card" ] || { echo "h200_reproduce: no H100/H200 named by nvidia-smi; give ENV" >&2; exit 2; }
+  env=$env-$card
+fi
+echo "h200_reproduce: environment $env"
 t0=$(date +%s)
 keep=/tmp/h200-records
-mkdir -p "$keep" results/measured && cp -a "$keep"/. results/measured/
+logs=/tmp/reproduce-steps
+mkdir -p "$keep" "$logs" results/measured && cp -a "$keep"/. results/measured/
 step() {  # step NAME TEST PATH COMMAND...: runs COMMAND unless `[ TEST PATH ]` holds; in a setup call, one step only
   local name=$1 test=$2 path=$3; shift 3
   if [ "$test" "$path" ]; then return 0; fi
+  local log="$logs/${name// /_}.log"
+  if [ -f "$log" ]; then
+    echo "h200_reproduce: step '$name' was left unfinished by an earlier call; memory, disk, its last lines:"
+    free -g | head -2; df -h /tmp | tail -n +2; tail -n 20 "$log"
+  fi
   echo "h200_reproduce: step '$name' starts"
-  "$@"
+  "$@" > "$log" 2>&1 || { tail -n 40 "$log"; echo "h200_reproduce: step '$name' failed" >&2; exit 1; }
+  tail -n 5 "$log"; rm -f "$log"
   echo "h200_reproduce: step '$name' done after $(( $(date +%s) - t0 )) s"
   if [ "$seconds" = 0 ]; then exit 0; fi
 }
