@@ -336,6 +336,29 @@ def recorded_runs(model: str, environment: str) -> list[dict]:
     return one_run(model_records(model, chapter="reproduce", kind="engine-outcome"), environment)
 
 
+def gpu_runs(model: str) -> dict[str, list[dict]]:
+    """The recorded vLLM runs of `model`'s weights on a GPU, every prompt, per environment (by vLLM release)."""
+    from spectie.summary import gpu_matrix_runs
+
+    return gpu_matrix_runs(model_records(model, chapter="reproduce", kind="engine-outcome"))
+
+
+def gpu_verdicts_text(runs: list[dict], rows: list[dict], band: float, band_origin: str, widest_band: float,
+                      ledger: dict) -> str:
+    """One GPU environment's divergences under the classifier, and the #39273 fixes the ledger finds in its
+    release, in words."""
+    from spectie.fixes import fixes_for
+
+    fingerprint = runs[0]["fingerprint"]
+    seeds = sorted({r["parameters"]["prompt_seed"] for r in runs})
+    ledger_rows = [r for r in fixes_for(ledger, fingerprint["vllm"]) if r["fix"].startswith("39273")]
+    return (f"vLLM {fingerprint['vllm']} on an {fingerprint['gpu']} ({runs[0]['environments'][0]}, {len(seeds)} "
+            f"prompts): {plural(len(rows), 'divergence')} at the band of {band:.3f} logits ({band_origin}); "
+            f"{recorded_verdicts_text(rows, widest_band)}. The fix ledger on this release for vLLM #39273 "
+            "(ngram on GDN models corrupting state): "
+            + (", ".join(f"{r['fix']}: {r['this release']}" for r in ledger_rows) or "not in the ledger"))
+
+
 def incident_fp32(reported: list[dict]) -> dict:
     """The fp32 row of the incident's reported logit comparison at its stop (margin, winner)."""
     logits = next(r for r in reported if r["kind"] == "logit-comparison")

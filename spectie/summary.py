@@ -169,8 +169,8 @@ def verdict(records: list[dict], environments: dict[str, dict]) -> Verdict:
                                     ("a measured speculative near-tie through vLLM", bool(mechanism))) if not have))
 
     if not measured_qwen:
-        result.not_measured.append("no trained Qwen3.5 model was run here (no weights on our hosts): every "
-                                   "Qwen3.5 figure is the incident's, reported")
+        result.not_measured.append("no trained Qwen3.5 model was run for this report: every Qwen3.5 figure is "
+                                   "the incident's, reported")
     missing = unmeasured_environments(records, environments)
     if missing:
         result.not_measured.append("the incident's environments were not run here: " + ", ".join(
@@ -202,6 +202,132 @@ def spread_sentence(records: list[dict]) -> str:
     return head + (f"chosen for random weights ({SPREAD_SHAPE}, bf16: the order of sums alone moves a margin by "
                    f"{low['order']:.2f} logits at spread {low['logit_std']:g} and {high['order']:.2f} at spread "
                    f"{high['logit_std']:g}, measured)")
+
+
+def gpu_matrix_runs(records: list[dict]) -> dict[str, list[dict]]:
+    """The measured reproduce-matrix records of trained weights (the organism, not a random-weight shape) run
+    through vLLM on a GPU, per environment, ordered by vLLM release."""
+    from spectie.fixes import _version_key
+    from spectie.qwen_shapes import is_random_weight_run
+
+    groups: dict[str, list[dict]] = {}
+    for r in records:
+        if (r["provenance"] == "measured" and r["kind"] == "engine-outcome" and r["chapter"] == "reproduce"
+                and r["fingerprint"].get("gpu") and not is_random_weight_run(r)):
+            groups.setdefault(r["environments"][0], []).append(r)
+    return dict(sorted(groups.items(), key=lambda item: (_version_key(item[1][0]["fingerprint"]["vllm"]), item[0])))
+
+
+def _and(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
+def _k_list(records: list[dict]) -> str:
+    ks = sorted({r["parameters"]["num_speculative_tokens"] for r in records})
+    return f"K = {', '.join(map(str, ks))}"
+
+
+def early_stops(runs: list[dict], method: str) -> tuple[list[str], list[str]]:
+    """For one environment's matrix: the configurations of `method` that stopped earlier than the baseline on
+    some prompt (with prompt seed, repeats and tokens written, in words), and those that never did."""
+    from spectie.engines.runner import stopped_earlier, tokens_before_stop
+
+    baselines = {r["parameters"]["prompt_seed"]: r["results"]["repeats"][0] for r in runs
+                 if r["parameters"]["configuration"] == r["parameters"]["baseline"] and r["results"]["repeats"]}
+    stopped, never = {}, []
+    for name in sorted({r["parameters"]["configuration"] for r in runs if r["parameters"]["method"] == method}):
+        for r in sorted((r for r in runs if r["parameters"]["configuration"] == name),
+                        key=lambda r: r["parameters"]["prompt_seed"]):
+            seed, repeats = r["parameters"]["prompt_seed"], r["results"]["repeats"]
+            early = [x for x in repeats if seed in baselines and stopped_earlier(x, baselines[seed])]
+            if early:
+                written = sorted({tokens_before_stop(x) for x in early})
+                tails = sorted({x["tail_text"].rsplit(chr(10), 1)[-1] for x in early})
+                stopped.setdefault(name, []).append(
+                    f"prompt seed {seed}: {len(early)} of {len(repeats)} repeats, after "
+                    f"{' or '.join(map(str, written))} output tokens, right after "
+                    + " or ".join(f"`{tail}`" for tail in tails))
+        if name not in stopped:
+            never.append(name)
+    return [f"{name} ({'; '.join(parts)})" for name, parts in stopped.items()], never
+
+
+def _verdicts_clause(row: dict | None, parted: bool) -> str:
+    """How the classifier's verdict record calls one method's divergences in one environment, as a clause."""
+    if row and row["outside"]:
+        return (f"; the classifier calls {len(row['outside'])} of its {row['divergences']} divergences (first "
+                f"repeats, one per prompt and position) suspected correctness bugs, up to "
+                f"{max(abs(m) for m in row['outside']):.1f} logits apart in fp32, outside the noise band of "
+                f"{row['threshold']:.3f}")
+    if row:
+        return (f"; the classifier calls all {row['divergences']} of its divergences (first repeats, one per prompt "
+                f"and position) near-ties, inside the noise band of {row['threshold']:.3f}")
+    return "; its divergences are not classified yet" if parted else ""
+
+
+def gpu_findings(records: list[dict], ledger: dict | None = None) -> list[str]:
+    """Per vLLM release run on a GPU here (the reproduce matrix on the organism): whether MTP stopped earlier
+    than plain greedy and with which configurations, whether ngram_gpu parted from plain greedy and how the
+    classifier's verdict records call those divergences, and which #39273 fixes the ledger finds in that
+    release. Each sentence covers one environment's records, all of its prompts."""
+    from spectie.fixes import VERDICTS, fixes_for
+
+    divergences = {(row["environment"], row["method"]): row for row in engine_divergences(records)}
+    lines = []
+    for env_id, runs in gpu_matrix_runs(records).items():
+        first = runs[0]["fingerprint"]
+        seeds = sorted({r["parameters"]["prompt_seed"] for r in runs})
+        head = (f"vLLM {first['vllm']} on an {first['gpu']} ({env_id}, the organism, {len(seeds)} "
+                f"prompt{'s' if len(seeds) != 1 else ''}, measured): ")
+        mtp = [r for r in runs if r["parameters"]["method"] == "mtp"]
+        if mtp:
+            stopped, never = early_stops(runs, "mtp")
+            parts = ["MTP " + (f"stopped earlier than plain greedy in {_and(stopped)}" if stopped
+                               else "never stopped earlier than plain greedy")
+                     + (f", and never in {', '.join(never)}" if stopped and never else f" ({_k_list(mtp)})" if not stopped else "")]
+            parts[0] += _verdicts_clause(divergences.get((env_id, "mtp")), any(
+                not x.get("same_as_baseline") for r in mtp for x in r["results"]["repeats"]))
+        else:
+            parts = ["MTP did not run"]
+        ngram = [r for r in runs if r["parameters"]["method"] == "ngram_gpu" and r["results"]["repeats"]]
+        if ngram:
+            generations = [x for r in ngram for x in r["results"]["repeats"]]
+            parted = sum(not x.get("same_as_baseline") for x in generations)
+            text = (f"ngram_gpu ({_k_list(ngram)}) wrote plain greedy's tokens in {len(generations) - parted} of "
+                    f"{len(generations)} generations")
+            parts.append(text + _verdicts_clause(divergences.get((env_id, "ngram_gpu")), bool(parted)))
+        if ledger is not None:
+            rows = [r for r in fixes_for(ledger, first["vllm"]) if r["fix"].startswith("39273")]
+            has = [r["fix"] for r in rows if r["this release"] == VERDICTS["present"]]
+            parts.append("the fix ledger finds in this release " + (", ".join(has) if has else "none") + " of the "
+                         f"{len(rows)} #39273 fixes (GDN state under speculation)")
+        lines.append(head + "; ".join(parts))
+    return lines
+
+
+def ngram_advice(records: list[dict]) -> str:
+    """What the records tell an operator of ngram_gpu on a hybrid model, per release run on a GPU."""
+    bad, clean = [], []
+    divergences = {(row["environment"], row["method"]): row for row in engine_divergences(records)}
+    for env_id, runs in gpu_matrix_runs(records).items():
+        ngram = [x for r in runs if r["parameters"]["method"] == "ngram_gpu" for x in r["results"]["repeats"]]
+        if not ngram:
+            continue
+        label = f"{runs[0]['fingerprint']['vllm']} ({runs[0]['fingerprint']['gpu']})"
+        row = divergences.get((env_id, "ngram_gpu"))
+        if row and row["outside"]:
+            bad.append(label)
+        elif all(x.get("same_as_baseline") for x in ngram):
+            clean.append(label)
+    if not bad and not clean:
+        return "no GPU run of ngram_gpu is recorded here"
+    text = ""
+    if bad:
+        text += (f"on vLLM {' and '.join(bad)} ngram_gpu wrote tokens outside the noise band (suspected "
+                 "correctness bug, measured on the organism)")
+    if clean:
+        text += ("; " if text else "") + f"on vLLM {' and '.join(clean)} it wrote plain greedy's tokens every time"
+    return text
 
 
 def bullets(lines: list[str]) -> str:

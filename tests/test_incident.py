@@ -106,8 +106,8 @@ def test_environments_and_their_status(records):
 def test_a_planned_environment_says_why_it_has_no_record_only_while_it_has_none(records):
     from spectie.environments import pending_text
 
-    env = {"id": "h200", "pending": "no H200\n  was lent."}
-    assert pending_text(env, records) == "no H200 was lent."
+    env = {"id": "h200", "pending": "not run\n  yet."}
+    assert pending_text(env, records) == "not run yet."
     assert pending_text(env, records + [{"provenance": "measured", "environments": ["h200"]}]) is None
     assert pending_text({"id": "h200"}, records) is None
 

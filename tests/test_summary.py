@@ -110,3 +110,43 @@ def test_flip_curves_count_flips_and_the_largest_flipped_margin():
     [row] = summary.flip_curves([record])
     assert (row["device"], row["decisions"], row["flips"], row["largest_flipped"]) == ("CPU", 3, 2, 0.04)
     assert "at 2 of 3 decisions, every one with a reference margin of at most 0.040 logits" in summary.flip_sentence(row)
+
+
+def gpu_records() -> list[dict]:
+    return [r for r in load_records(chapter="reproduce", kind="engine-outcome")
+            if r["environments"][0] in ("v0.26.0-h200", "v0.32.0-h100")]
+
+
+def test_the_first_page_states_each_gpu_release_from_its_records():
+    from spectie.fixes import ledger_record
+
+    records = gpu_records()
+    ledger = ledger_record()
+    lines = summary.gpu_findings(records, ledger)
+    assert [line.split(" (")[0] for line in lines] == ["vLLM 0.26.0 on an NVIDIA H200", "vLLM 0.32.0 on an NVIDIA H100 80GB HBM3"]
+    h100 = lines[1]
+    # The incident's shape on 0.32.0: MTP K=1 (both runners) stops on prompt seed 1 where plain greedy goes on.
+    assert ("MTP stopped earlier than plain greedy in mtp-v1-k1 (prompt seed 1: 10 of 10 repeats, after 11 output "
+            "tokens, right after `[DATA] id=42 name=`) and mtp-v2-k1 (prompt seed 1: 10 of 10 repeats, after 11 "
+            "output tokens, right after `[DATA] id=42 name=`)") in h100
+    assert "never in mtp-compiled, mtp-v1-k6, mtp-v1-k7, mtp-v1-k8, mtp-v2-k6, mtp-v2-k7, mtp-v2-k8" in h100
+    assert "ngram_gpu (K = 1, 6, 7, 8) wrote plain greedy's tokens in 320 of 320 generations" in h100
+    assert "the fix ledger finds in this release 39273 / PR 56531 (behaviour described in the PR) of the 4" in h100
+    assert "finds in this release none of the 4 #39273 fixes" in lines[0]
+    # The same sentences turn with the records: a 0.32.0 ngram_gpu run that parts from plain greedy, called a
+    # suspected bug, and an MTP K=1 run that goes on.
+    changed = copy.deepcopy(records)
+    for r in changed:
+        p = r["parameters"]
+        if r["environments"][0] == "v0.32.0-h100" and p["configuration"] == "ngram_gpu-k1" and p["prompt_seed"] == 3:
+            r["results"]["repeats"][0]["same_as_baseline"] = False
+        if r["environments"][0] == "v0.32.0-h100" and p["configuration"] == "mtp-v2-k1" and p["prompt_seed"] == 1:
+            r["results"]["repeats"] = [dict(x, finish_reason="length", output_tokens=96) for x in r["results"]["repeats"]]
+    bug = verdicts_record({"ngram_gpu": [(BUG_LABEL, -20.5)]})
+    bug["parameters"].update(engine_environment="v0.32.0-h100", engine_vllm="0.32.0")
+    turned = summary.gpu_findings(changed + [bug], ledger)[1]
+    assert "ngram_gpu (K = 1, 6, 7, 8) wrote plain greedy's tokens in 319 of 320 generations" in turned
+    assert "calls 1 of its 1 divergences (first repeats, one per prompt and position) suspected correctness bugs, up to 20.5 logits" in turned
+    assert "mtp-v2-k1 (prompt" not in turned and "never in mtp-compiled, mtp-v1-k6" in turned
+    assert "on vLLM 0.32.0 (NVIDIA H100 80GB HBM3) ngram_gpu wrote tokens outside the noise band" in summary.ngram_advice(changed + [bug])
+    assert summary.ngram_advice(records).endswith("on vLLM 0.32.0 (NVIDIA H100 80GB HBM3) it wrote plain greedy's tokens every time")
