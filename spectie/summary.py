@@ -27,6 +27,7 @@ class Verdict:
     because: list[str] = field(default_factory=list)  # the evidence for the answer, each with its origin
     caveats: list[str] = field(default_factory=list)  # what the records say against it, or beside it
     not_measured: list[str] = field(default_factory=list)
+    tie_note: str = ""  # why the incident's margin counts as a tie beside the much narrower bands measured here
 
 
 def flip_curves(records: list[dict]) -> list[dict]:
@@ -97,6 +98,18 @@ def reference_sentence(ref: Reference) -> str:
             f"(reported, record `{ref.record_id}`)")
 
 
+def tie_note(ref: Reference, bands: list[float]) -> str:
+    """Why a margin of the incident's size is a tie on the real model, although the bands measured here (the
+    classifier's, on the organism) are far narrower: the incident's own references, reported."""
+    if not ref.flipped:
+        return ""
+    here = (f"the noise bands measured here ({_number(min(bands))} to {_number(max(bands))} logits) are the "
+            "organism's, a tiny model's, and say nothing of Qwen3.5's own; " if bands else "")
+    return (f"Why a margin of {_number(abs(ref.fp32))} logits counts as a tie: {here}on the real model, the incident's "
+            f"own references show bf16 moving this very margin by {_number(ref.swing)} logits (reported, record "
+            f"`{ref.record_id}`), so a margin of {_number(abs(ref.fp32))} is inside what precision alone moves.")
+
+
 def flip_sentence(curve: dict) -> str:
     if not curve["flips"]:
         return (f"on the organism ({curve['device']}), bf16 kept the {curve['reference']} reference's token at all "
@@ -107,7 +120,8 @@ def flip_sentence(curve: dict) -> str:
 
 
 def divergence_sentence(row: dict) -> str:
-    head = (f"speculation by {row['method']} through vLLM {row['vllm']} ({row['device']}, {row['environment']}) on "
+    where = row["device"] if row["device"].lower() == row["environment"].lower() else f"{row['device']}, {row['environment']}"
+    head = (f"speculation by {row['method']} through vLLM {row['vllm']} ({where}) on "
             f"the {row['model']}: ")
     if not row["outside"]:
         which = ("its one divergence from plain greedy is a near-tie" if row["divergences"] == 1 else
@@ -153,6 +167,7 @@ def verdict(records: list[dict], environments: dict[str, dict]) -> Verdict:
     result.because += [divergence_sentence(row) for row in mechanism if not row["outside"]]
     result.caveats += [divergence_sentence(row) for row in divergences if row["outside"]]
 
+    result.tie_note = tie_note(ref, [row["threshold"] for row in divergences]) if ref is not None else ""
     if result.answer == NEAR_TIE and trained:
         result.strength = STRONG
         result.why_strength = "a trained Qwen3.5 model measured here shows the fp32 and bf16 winners disagree"

@@ -145,13 +145,33 @@ def test_the_first_page_gives_the_answer_from_the_records(built):
     for expected in ("The answer, from the records", "a numerical near-tie, not a speculative-decoding correctness bug",
                      "precision alone moved the margin by 1.36 logits, more than the margin itself",
                      "plain greedy decoding without speculation stops at the same position on B200",
-                     "No trained Qwen3.5 model was run here", "What to check when your completions stop early"):
+                     "No trained Qwen3.5 model was run for this report", "What to check when your completions stop early"):
         assert expected.lower() in text.lower(), expected
     assert re.search(r"Strength of the evidence: (strong|moderate|weak)", text)
     # The H200's real CUDA vLLM divergences, classified by this build's guidance chapter and kept as records.
     verdicts = sorted((root / "results" / "measured").glob("cpu-*/guidance/divergence-verdicts-*.json"))
-    assert {json.loads(p.read_text())["parameters"]["engine_environment"] for p in verdicts} >= {"v0.26.0-h200"}
+    assert {json.loads(p.read_text())["parameters"]["engine_environment"] for p in verdicts} >= {"v0.26.0-h200",
+                                                                                                 "v0.32.0-h100"}
     assert "through vLLM 0.26.0 (NVIDIA H200, v0.26.0-h200)" in text
+    # Per GPU release: the MTP stop and what ngram_gpu wrote, with the classifier's verdicts (glued from records).
+    assert "vLLM 0.32.0 on an NVIDIA H100 80GB HBM3 (v0.32.0-h100, the organism, 8 prompts, measured)" in text
+    assert "ngram_gpu (K = 1, 6, 7, 8) wrote plain greedy's tokens in 320 of 320 generations" in text
+    assert re.search(r"vLLM 0\.26\.0 on an NVIDIA H200 .*?ngram_gpu \(K = 1, 6, 7, 8\) wrote plain greedy's tokens "
+                     r"in 10 of 320 generations; the classifier calls \d+ of its \d+ divergences", text)
+    assert "Why a margin of 0.67 logits counts as a tie" in text
+
+
+def test_no_internal_link_is_broken(built):
+    root, _ = built
+    html = root / "_build" / "html"
+    broken = []
+    for page in sorted(html.rglob("*.html")):
+        for target in re.findall(r'(?:href|src)="([^"#?]+)[^"]*"', page.read_text()):
+            if re.match(r"^[a-z]+:|^//", target):
+                continue  # another site, mailto:, data:
+            if not (page.parent / target).resolve().exists():
+                broken.append(f"{page.relative_to(html)} -> {target}")
+    assert not broken, "\n".join(sorted(set(broken))[:40])
 
 
 # What must never reach a reader: a traceback, a NaN, a Python repr, a path on the building machine.

@@ -150,3 +150,16 @@ def test_the_first_page_states_each_gpu_release_from_its_records():
     assert "mtp-v2-k1 (prompt" not in turned and "never in mtp-compiled, mtp-v1-k6" in turned
     assert "on vLLM 0.32.0 (NVIDIA H100 80GB HBM3) ngram_gpu wrote tokens outside the noise band" in summary.ngram_advice(changed + [bug])
     assert summary.ngram_advice(records).endswith("on vLLM 0.32.0 (NVIDIA H100 80GB HBM3) it wrote plain greedy's tokens every time")
+
+
+def test_the_first_page_says_why_the_incidents_margin_is_a_tie(reported):
+    envs = load_environments()
+    mechanism = verdicts_record({"mtp": [(NEAR_TIE_LABEL, 0.0)] * 3})
+    note = summary.verdict(reported + [mechanism], envs).tie_note
+    assert note.startswith("Why a margin of 0.67 logits counts as a tie: the noise bands measured here (0.12 to 0.12")
+    assert "bf16 moving this very margin by 1.36 logits (reported, record `hf-reference-logits-1854`)" in note
+    agreeing = copy.deepcopy(reported)
+    ref = next(r for r in agreeing if r["id"] == summary.REFERENCE_ID)
+    bf16 = next(row for row in ref["results"]["rows"] if row["dtype"] == "bf16")
+    bf16["logits"], bf16["winner"], bf16["margin"] = {"EOS": 16.2, "DATA": 15.9}, "EOS", 0.3
+    assert summary.verdict(agreeing, envs).tie_note == ""
