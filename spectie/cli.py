@@ -121,12 +121,22 @@ def _cmd_tiestop(args) -> int:
     from spectie import tiestop
     from spectie.model import resolve_model
 
+    if not args.files and not args.record:
+        raise UsageError("give JSONL files of responses, or --record <reproduction record>")
     completions = [c for path in args.files for c in tiestop.read_jsonl(path)]  # bad files fail first
+    device = None
+    if args.record:
+        from spectie.records import read_record
+
+        record = read_record(args.record)
+        completions += tiestop.from_record(record)
+        device = record["fingerprint"].get("gpu") or "CPU"  # the band of the device that served it, where recorded
+        args.model = args.model or record["parameters"].get("model")
     model = resolve_model(args.model) if args.model else None
     if args.threshold is not None:
         threshold, origin = args.threshold, "given with --threshold"
     elif model:
-        threshold, origin = tiestop.threshold_for_model(model)
+        threshold, origin = tiestop.threshold_for_model(model, device)
     else:
         threshold, origin = tiestop.default_threshold()
     stops = tiestop.end_of_text(model) if model else None
@@ -245,9 +255,12 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Flag completions (JSONL of OpenAI-compatible responses from vllm serve, "
                                    "requested with top-2 logprobs) whose stop token won by a margin inside the "
                                    "bf16 noise band: a near-tie stop that another computation shape could flip.")
-    p.add_argument("files", nargs="+", help="JSONL files, one response per line")
-    p.add_argument("--threshold", type=float, help="margin in logits below which a stop is flagged (default: the band "
-                                                   "recorded for --model's weights, else the incident's reported "
+    p.add_argument("files", nargs="*", help="JSONL files, one response per line")
+    p.add_argument("--record", help="a reproduction record (results/measured/.../reproduce/*.json): each repeat's stop, "
+                                    "from the top-2 margins vLLM served (its model, unless --model)")
+    p.add_argument("--threshold", type=float, help="margin in logits up to which a stop is flagged (default: the band "
+                                                   "recorded for --model's weights or one bf16 step at their recorded "
+                                                   "logits, whichever is wider; else the incident's reported "
                                                    "fp32-vs-bf16 swing)")
     p.add_argument("--model", help="organism, a model folder or a hub id: its end-of-text tokens are the only stop "
                                    "tokens read, and (without --threshold) its recorded noise band is the threshold")

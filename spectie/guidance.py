@@ -22,7 +22,7 @@ def detector_rows(records: list[dict], threshold: float) -> list[dict]:
                "flagged": None}
         if stop:
             row.update({"stop token": stop["stop_token"], "margin": stop["margin"], "runner-up": stop["runner_up"],
-                        "flagged": stop["margin"] < threshold})
+                        "flagged": tiestop.is_near_tie(stop["margin"], threshold)})
         rows.append(row)
     return rows
 

@@ -258,10 +258,13 @@ def early_stops(runs: list[dict], method: str) -> tuple[list[str], list[str]]:
             if early:
                 written = sorted({tokens_before_stop(x) for x in early})
                 tails = sorted({x["tail_text"].rsplit(chr(10), 1)[-1] for x in early})
+                margins = sorted({x["stop_margin"]["margin"] for x in early if x.get("stop_margin")})
                 stopped.setdefault(name, []).append(
                     f"prompt seed {seed}: {len(early)} of {len(repeats)} repeats, after "
                     f"{' or '.join(map(str, written))} output tokens, right after "
-                    + " or ".join(f"`{tail}`" for tail in tails))
+                    + " or ".join(f"`{tail}`" for tail in tails)
+                    + (f", the stop token ahead by {' or '.join(f'{m:g}' for m in margins)} logits in vLLM's "
+                       "own logprobs" if margins else ""))
         if name not in stopped:
             never.append(name)
     return [f"{name} ({'; '.join(parts)})" for name, parts in stopped.items()], never

@@ -214,7 +214,7 @@ def tally(record: dict, threshold: float) -> dict:
         "ordinary_stops": len(margins["ordinary"]), "moved_stops": len(margins["moved"]),
         "ordinary_flagged": sum(is_near_tie(m, threshold) for m in margins["ordinary"]),
         "moved_flagged": sum(is_near_tie(m, threshold) for m in margins["moved"]),
-        "moved_tie_at_divergence": sum(m is not None and m < threshold for m in at_divergence),
+        "moved_tie_at_divergence": sum(m is not None and is_near_tie(m, threshold) for m in at_divergence),
     }
     counts["false_positive_rate"] = (counts["ordinary_flagged"] / counts["ordinary_stops"]
                                      if counts["ordinary_stops"] else None)

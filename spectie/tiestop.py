@@ -111,9 +111,11 @@ def runner_up(step: Step) -> tuple[str | None, float]:
 
 
 def is_near_tie(margin: float, threshold: float) -> bool:
-    """The detector's rule: the stop token and the runner-up are less than `threshold` logits apart, in either
-    order (a stop token below the runner-up was not chosen by greedy decoding, but a near-tie is one either way)."""
-    return abs(margin) < threshold
+    """The detector's rule: the stop token and the runner-up are at most `threshold` logits apart, in either
+    order (a stop token below the runner-up was not chosen by greedy decoding, but a near-tie is one either way).
+    At most, not less than: served margins are differences of bf16 logits, so a margin of exactly one bf16 step
+    (`bf16_step`) is the closest two different logits can be."""
+    return abs(margin) <= threshold
 
 
 def check(completion: Completion, threshold: float, stops: EndOfText | None = None) -> Verdict:
@@ -215,6 +217,24 @@ def read_jsonl(path: str | Path) -> list[Completion]:
     return completions
 
 
+def from_record(record: dict) -> list[Completion]:
+    """The completions of a reproduction record (`make run CHAPTER=reproduce`), one per repeat, as the detector
+    reads them: the top-2 margin vLLM served at each output position, the stop token and its runner-up named."""
+    results = record.get("results") if isinstance(record, dict) else None
+    if record.get("kind") != "engine-outcome" or not isinstance(results, dict) or "repeats" not in results:
+        raise UsageError(f"record {record.get('id')!r}: not a reproduction record (kind engine-outcome, with repeats)")
+    completions = []
+    for number, repeat in enumerate(results["repeats"], 1):
+        steps = [Step(f"#{token}", 0.0, {f"#{token}": 0.0} if margin is None else {f"#{token}": 0.0, "runner-up": -margin})
+                 for token, margin in zip(repeat["token_ids"], repeat.get("top2_margins") or [])]
+        stop = repeat.get("stop_margin")
+        if stop and steps:
+            steps[-1] = Step(stop["stop_token"], 0.0, {stop["stop_token"]: 0.0, stop["runner_up"]: -stop["margin"]})
+        completions.append(Completion(steps, repeat["finish_reason"], "reproduction record",
+                                      f"{record['id']} repeat {number}", repeat.get("stop_reason")))
+    return completions
+
+
 REFERENCE_ID = "hf-reference-logits-1854"  # the incident's fp32 and bf16 transformers references at the stop
 
 
@@ -282,9 +302,44 @@ def default_threshold(digest: str | None = None, records: list[dict] | None = No
     return reported_swing()
 
 
+def bf16_step(magnitude: float) -> float:
+    """The spacing of bfloat16 numbers at `magnitude` (8 significant bits): two bf16 logits of that size differ
+    by a whole number of it, so a margin vLLM serves from bf16 logits there is 0 or at least one step."""
+    return 2.0 ** (math.floor(math.log2(abs(magnitude))) - 7)
+
+
+def recorded_logits(digest: str | None, records: list[dict] | None = None) -> tuple[float, str] | None:
+    """The largest logit (in magnitude) recorded at a stop decision of these very weights (the margins
+    chapter's logit comparisons, any dtype), and the record it is in; None when no such record exists."""
+    if records is None:
+        from spectie.records import load_records
+
+        records = load_records(kind="logit-comparison")
+    found = [(abs(value), r["id"]) for r in records if r["kind"] == "logit-comparison" and digest
+             and r.get("fingerprint", {}).get("model_sha256") == digest
+             for row in r["results"]["rows"] for value in row["logits"].values()]
+    return max(found) if found else None
+
+
+def step_rule(band: float, band_origin: str, logits: tuple[float, str] | None) -> tuple[float, str]:
+    """The detector's threshold: the larger of the recorded band and one bf16 step at the logits' magnitude
+    (a served margin cannot be smaller than one step without being 0), with a label saying which it is."""
+    if logits is None:
+        return band, band_origin
+    magnitude, record_id = logits
+    step = bf16_step(magnitude)
+    if step <= band:
+        return band, f"{band_origin}; wider than one bf16 step ({step:g}) at the logits recorded for these weights"
+    return step, (f"one bf16 step at the logits recorded for these weights (|logit| up to {magnitude:.1f}, record "
+                  f"{record_id}), wider than the {band_origin} ({band:.3f} logits)")
+
+
 def threshold_for_model(model_path: str, device: str | None = None) -> tuple[float, str]:
-    """`default_threshold` for a model folder (or hub id), matched by its weights' digest, preferring the band
-    recorded on `device` (default: this machine's, `fingerprint.device_name`)."""
+    """The detector's threshold for a model folder (or hub id), matched by its weights' digest: the larger of
+    `default_threshold` (preferring the band recorded on `device`, default this machine's) and one bf16 step at
+    the logits recorded for these weights (`step_rule`)."""
     from spectie.fingerprint import device_name, model_digest
 
-    return default_threshold(digest=model_digest(model_path), device=device or device_name())
+    digest = model_digest(model_path)
+    band, origin = default_threshold(digest=digest, device=device or device_name())
+    return step_rule(band, origin, recorded_logits(digest))

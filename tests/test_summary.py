@@ -127,8 +127,9 @@ def test_the_first_page_states_each_gpu_release_from_its_records():
     h100 = lines[1]
     # The incident's shape on 0.32.0: MTP K=1 (both runners) stops on prompt seed 1 where plain greedy goes on.
     assert ("MTP stopped earlier than plain greedy in mtp-v1-k1 (prompt seed 1: 10 of 10 repeats, after 11 output "
-            "tokens, right after `[DATA] id=42 name=`) and mtp-v2-k1 (prompt seed 1: 10 of 10 repeats, after 11 "
-            "output tokens, right after `[DATA] id=42 name=`)") in h100
+            "tokens, right after `[DATA] id=42 name=`, the stop token ahead by 0.125 logits in vLLM's own logprobs) and "
+            "mtp-v2-k1 (prompt seed 1: 10 of 10 repeats, after 11 output tokens, right after `[DATA] id=42 name=`, "
+            "the stop token ahead by 0.125 logits in vLLM's own logprobs)") in h100
     assert "never in mtp-compiled, mtp-v1-k6, mtp-v1-k7, mtp-v1-k8, mtp-v2-k6, mtp-v2-k7, mtp-v2-k8" in h100
     assert "ngram_gpu (K = 1, 6, 7, 8) wrote plain greedy's tokens in 320 of 320 generations" in h100
     assert "the fix ledger finds in this release 39273 / PR 56531 (behaviour described in the PR) of the 4" in h100

@@ -253,3 +253,36 @@ def test_real_vllm_serve_responses_are_read(tmp_path):
     assert read_by_eos.stop_reason is None and verdicts[3]["finish_reason"] == "stop"
     assert verdicts[3]["stop_token"] == "<|endoftext|>" and verdicts[3]["margin"] is not None  # as vLLM writes it
     assert verdicts[3]["margin"] < 0 and not verdicts[3]["flagged"]  # the bias chose it: not a tie question
+
+
+def test_the_threshold_is_at_least_one_bf16_step_at_the_recorded_logits():
+    """Served margins are differences of bf16 logits: at logits of 16 to 32 they come in steps of 0.125, so a
+    band narrower than one step cannot tell a stop that won by one step from a tie."""
+    assert [tiestop.bf16_step(x) for x in (20.0, 16.47, 15.8, -3.0)] == [0.125, 0.125, 0.0625, 0.015625]
+    assert tiestop.is_near_tie(0.125, 0.125) and tiestop.is_near_tie(-0.125, 0.125)
+    assert not tiestop.is_near_tie(0.25, 0.125)
+    record = {"id": "m", "kind": "logit-comparison", "fingerprint": {"model_sha256": "abc"},
+              "results": {"rows": [{"logits": {"EOS": 19.97, "DATA": 19.98}}, {"logits": {"EOS": 20.0, "DATA": 20.0}}]}}
+    assert tiestop.recorded_logits("abc", [record]) == (20.0, "m")
+    assert tiestop.recorded_logits("other", [record]) is None
+    threshold, origin = tiestop.step_rule(0.118, "band B", (20.0, "m"))
+    assert threshold == 0.125 and origin.startswith("one bf16 step at the logits recorded for these weights (|logit| "
+                                                    "up to 20.0, record m), wider than the band B (0.118 logits)")
+    assert tiestop.step_rule(0.3, "band B", (20.0, "m")) == (
+        0.3, "band B; wider than one bf16 step (0.125) at the logits recorded for these weights")
+    assert tiestop.step_rule(0.118, "band B", None) == (0.118, "band B")
+
+
+def test_the_command_line_flags_the_gpu_stop_of_a_reproduction_record():
+    """MTP K=1 on prompt seed 1 through CUDA vLLM 0.26.0 (H200): the end-of-text stop won by one bf16 step."""
+    [path] = (ROOT / "results" / "measured").glob("v0.26.0-h200-*/reproduce/reproduce-v0.26.0-h200-incident-mtp-v1-k1-s1-*.json")
+    result = subprocess.run([sys.executable, "-m", "spectie", "tiestop", "--record", str(path), "--fail-on-flag"],
+                            cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 1, result.stderr
+    assert result.stdout.startswith("threshold 0.125 logits (one bf16 step at the logits recorded for these weights")
+    assert "won by 0.125 logits over 'DATA#17247'" in result.stdout
+    assert "10 of 10 completion(s) flagged as near-tie stops" in result.stdout
+    plain = str(path).replace("-mtp-v1-k1-", "-plain-")  # plain greedy ran to the limit: nothing to flag
+    result = subprocess.run([sys.executable, "-m", "spectie", "tiestop", "--record", plain], cwd=ROOT,
+                            capture_output=True, text=True)
+    assert result.returncode == 0 and "0 of 10 completion(s) flagged" in result.stdout, result.stderr
