@@ -323,6 +323,27 @@ def gpu_findings(records: list[dict], ledger: dict | None = None) -> list[str]:
     return lines
 
 
+def incident_ngram_text(records: list[dict], ledger: dict) -> str:
+    """The incident's own ngram_gpu stops (reported) against the #39273 fixes the ledger finds in their release."""
+    from spectie.environments import load_environments, release
+    from spectie.fixes import VERDICTS, fixes_for
+
+    environments = load_environments()
+    parts = []
+    for r in records:
+        if r["provenance"] != "reported" or r["kind"] != "engine-outcome" or r["parameters"].get("method") != "ngram_gpu":
+            continue
+        for version in sorted({release(environments[e]["vllm"]["version"]) for e in r["environments"]
+                               if e in environments and environments[e]["vllm"].get("version")}):
+            has = [f["fix"] for f in fixes_for(ledger, version)
+                   if f["fix"].startswith("39273") and f["this release"] == VERDICTS["present"]]
+            parts.append(f"the incident's own ngram_gpu {'stop' if r['results'].get('stopped_early') else 'run'} "
+                         f"(reported, record `{r['id']}`) ran vLLM {version}, in which the fix ledger finds "
+                         + (", ".join(has) if has else "none of the #39273 fixes")
+                         + ": it may be this correctness bug rather than a tie, and these records cannot tell which")
+    return "; ".join(parts)
+
+
 def ngram_advice(records: list[dict]) -> str:
     """What the records tell an operator of ngram_gpu on a hybrid model, per release run on a GPU."""
     bad, clean = [], []

@@ -161,6 +161,20 @@ def test_the_first_page_gives_the_answer_from_the_records(built):
     assert "Why a margin of 0.67 logits counts as a tie" in text
 
 
+def test_every_figure_has_alt_text_and_a_caption(built):
+    root, _ = built
+    missing = []
+    for page in sorted((root / "_build" / "html" / "generated").glob("*.html")):
+        html = page.read_text()
+        for image in re.findall(r"<img\b[^>]*>", html):
+            if not re.search(r'\balt="[^"]{20,}"', image):
+                missing.append(f"{page.name}: {image[:120]}")
+        for figure in re.findall(r"<figure\b.*?</figure>", html, re.S):
+            if "<img" in figure and "<figcaption" not in figure:
+                missing.append(f"{page.name}: a figure without a caption")
+    assert not missing, "\n".join(missing)
+
+
 def test_no_internal_link_is_broken(built):
     root, _ = built
     html = root / "_build" / "html"

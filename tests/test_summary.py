@@ -164,3 +164,18 @@ def test_the_first_page_says_why_the_incidents_margin_is_a_tie(reported):
     bf16 = next(row for row in ref["results"]["rows"] if row["dtype"] == "bf16")
     bf16["logits"], bf16["winner"], bf16["margin"] = {"EOS": 16.2, "DATA": 15.9}, "EOS", 0.3
     assert summary.verdict(agreeing, envs).tie_note == ""
+
+
+def test_the_incidents_ngram_gpu_stop_is_read_against_the_ledger(reported):
+    from spectie.fixes import ledger_record
+
+    ledger = ledger_record()
+    text = summary.incident_ngram_text(reported, ledger)
+    assert text == ("the incident's own ngram_gpu stop (reported, record `original-ngram_gpu-wide-verify`) ran vLLM "
+                    "0.31.0, in which the fix ledger finds none of the #39273 fixes: it may be this correctness bug "
+                    "rather than a tie, and these records cannot tell which")
+    fixed = copy.deepcopy(ledger)
+    for fix in fixed["results"]["fixes"]:
+        if fix["fix"].startswith("39273 / PR 56531 (behaviour"):
+            fix["per_release"]["0.31.0"] = "present"
+    assert "in which the fix ledger finds 39273 / PR 56531 (behaviour described in the PR):" in summary.incident_ngram_text(reported, fixed)
