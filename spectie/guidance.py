@@ -340,7 +340,8 @@ def gpu_runs(model: str) -> dict[str, list[dict]]:
     """The recorded vLLM runs of `model`'s weights on a GPU, every prompt, per environment (by vLLM release)."""
     from spectie.summary import gpu_matrix_runs
 
-    return gpu_matrix_runs(model_records(model, chapter="reproduce", kind="engine-outcome"))
+    runs = gpu_matrix_runs(model_records(model, chapter="reproduce", kind="engine-outcome"))
+    return {environment: records for (environment, _), records in runs.items()}
 
 
 def gpu_verdicts_text(runs: list[dict], rows: list[dict], band: float, band_origin: str, widest_band: float,

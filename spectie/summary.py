@@ -219,17 +219,17 @@ def spread_sentence(records: list[dict]) -> str:
                    f"{high['logit_std']:g}, measured)")
 
 
-def gpu_matrix_runs(records: list[dict]) -> dict[str, list[dict]]:
-    """The measured reproduce-matrix records of trained weights (the organism, not a random-weight shape) run
-    through vLLM on a GPU, per environment, ordered by vLLM release."""
+def gpu_matrix_runs(records: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    """The measured reproduce-matrix records of trained weights (not a random-weight shape) run through vLLM on a
+    GPU, per environment and model, ordered by vLLM release."""
     from spectie.fixes import _version_key
     from spectie.qwen_shapes import is_random_weight_run
 
-    groups: dict[str, list[dict]] = {}
+    groups: dict[tuple[str, str], list[dict]] = {}
     for r in records:
         if (r["provenance"] == "measured" and r["kind"] == "engine-outcome" and r["chapter"] == "reproduce"
                 and r["fingerprint"].get("gpu") and not is_random_weight_run(r)):
-            groups.setdefault(r["environments"][0], []).append(r)
+            groups.setdefault((r["environments"][0], str(r["parameters"]["model"])), []).append(r)
     return dict(sorted(groups.items(), key=lambda item: (_version_key(item[1][0]["fingerprint"]["vllm"]), item[0])))
 
 
@@ -292,10 +292,10 @@ def gpu_findings(records: list[dict], ledger: dict | None = None) -> list[str]:
 
     divergences = {(row["environment"], row["method"]): row for row in engine_divergences(records)}
     lines = []
-    for env_id, runs in gpu_matrix_runs(records).items():
+    for (env_id, model), runs in gpu_matrix_runs(records).items():
         first = runs[0]["fingerprint"]
         seeds = sorted({r["parameters"]["prompt_seed"] for r in runs})
-        head = (f"vLLM {first['vllm']} on an {first['gpu']} ({env_id}, the organism, {len(seeds)} "
+        head = (f"vLLM {first['vllm']} on an {first['gpu']} ({env_id}, the {model}, {len(seeds)} "
                 f"prompt{'s' if len(seeds) != 1 else ''}, measured): ")
         mtp = [r for r in runs if r["parameters"]["method"] == "mtp"]
         if mtp:
@@ -348,7 +348,7 @@ def ngram_advice(records: list[dict]) -> str:
     """What the records tell an operator of ngram_gpu on a hybrid model, per release run on a GPU."""
     bad, clean = [], []
     divergences = {(row["environment"], row["method"]): row for row in engine_divergences(records)}
-    for env_id, runs in gpu_matrix_runs(records).items():
+    for (env_id, _), runs in gpu_matrix_runs(records).items():
         ngram = [x for r in runs if r["parameters"]["method"] == "ngram_gpu" for x in r["results"]["repeats"]]
         if not ngram:
             continue
