@@ -136,7 +136,7 @@ def _cmd_tiestop(args) -> int:
     if args.threshold is not None:
         threshold, origin = args.threshold, "given with --threshold"
     elif model:
-        threshold, origin = tiestop.threshold_for_model(model, device)
+        threshold, origin = tiestop.detector_threshold_for_model(model, device)
     else:
         threshold, origin = tiestop.default_threshold()
     stops = tiestop.end_of_text(model) if model else None

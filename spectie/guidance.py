@@ -195,7 +195,7 @@ def stops_text(margins: list[float], flagged: int, threshold: float) -> str:
     if not margins:
         return "No recorded run stopped before its token limit, so the detector had no stop to judge"
     return (f"The recorded stops won by {min(margins):.2f} to {max(margins):.2f} logits: {flagged} of {len(margins)} "
-            f"are inside the {threshold:.3f}-logit band")
+            f"are within the detector's threshold of {threshold:.3f} logits")
 
 
 def upstream_text(changed: dict[str, dict], baseline: dict | None, divergence_at: str) -> str:
@@ -375,14 +375,16 @@ def incident_flag_text(reported: list[dict]) -> str:
     return f"outside the incident's own fp32-to-bf16 swing of {swing:.2f} logits: the detector would not flag it"
 
 
-def noise_band(model: str, threshold: float | None) -> tuple[float, str]:
-    """The threshold of both tools and where it comes from: `threshold` as given, else the bf16 band recorded for
-    `model`'s weights (on this machine's device where one is)."""
+def noise_band(model: str, threshold: float | None, detector: bool = False) -> tuple[float, str]:
+    """A tool's threshold and where it comes from: `threshold` as given, else the bf16 band recorded for `model`'s
+    weights (on this machine's device where one is): the classifier's; with `detector`, the larger of that band
+    and one bf16 step at the logits recorded for these weights (the detector reads bf16-rounded margins)."""
     if threshold is not None:
         return threshold, "given as a parameter"
     from spectie.model import resolve_model
 
-    return tiestop.threshold_for_model(resolve_model(model))
+    find = tiestop.detector_threshold_for_model if detector else tiestop.threshold_for_model
+    return find(resolve_model(model))
 
 
 def baseline_run(runs: list[dict]) -> dict | None:

@@ -103,11 +103,13 @@ def tie_note(ref: Reference, bands: list[float]) -> str:
     classifier's, on the organism) are far narrower: the incident's own references, reported."""
     if not ref.flipped:
         return ""
-    here = (f"the noise bands measured here ({_number(min(bands))} to {_number(max(bands))} logits) are the "
-            "organism's, a tiny model's, and say nothing of Qwen3.5's own; " if bands else "")
+    span = _number(min(bands)) if bands and min(bands) == max(bands) else (
+        f"{_number(min(bands))} to {_number(max(bands))}" if bands else "")
+    here = (f"the thresholds the classifier used here ({span} logits) are the organism's, a tiny model's, and say "
+            "nothing of Qwen3.5's own; " if bands else "")
     return (f"Why a margin of {_number(abs(ref.fp32))} logits counts as a tie: {here}on the real model, the incident's "
             f"own references show bf16 moving this very margin by {_number(ref.swing)} logits (reported, record "
-            f"`{ref.record_id}`), so a margin of {_number(abs(ref.fp32))} is inside what precision alone moves.")
+            f"{ref.record_id}), so a margin of {_number(abs(ref.fp32))} is inside what precision alone moves.")
 
 
 def flip_sentence(curve: dict) -> str:
@@ -338,7 +340,7 @@ def incident_ngram_text(records: list[dict], ledger: dict) -> str:
             has = [f["fix"] for f in fixes_for(ledger, version)
                    if f["fix"].startswith("39273") and f["this release"] == VERDICTS["present"]]
             parts.append(f"the incident's own ngram_gpu {'stop' if r['results'].get('stopped_early') else 'run'} "
-                         f"(reported, record `{r['id']}`) ran vLLM {version}, in which the fix ledger finds "
+                         f"(reported, record {r['id']}) ran vLLM {version}, in which the fix ledger finds "
                          + (", ".join(has) if has else "none of the #39273 fixes")
                          + ": it may be this correctness bug rather than a tie, and these records cannot tell which")
     return "; ".join(parts)
@@ -371,4 +373,11 @@ def ngram_advice(records: list[dict]) -> str:
 
 def bullets(lines: list[str]) -> str:
     """A Markdown list of sentences, each capitalised and ended."""
-    return "\n".join(f"- {line[0].upper()}{line[1:]}." for line in lines)
+    return "\n".join(f"- {capitalised(line)}." for line in lines)
+
+
+def capitalised(line: str) -> str:
+    """The sentence with its first letter in upper case, unless its first word is a name spelled with a
+    capital inside (vLLM, iOS)."""
+    first = line.split(" ", 1)[0]
+    return line if any(c.isupper() for c in first[1:]) else line[0].upper() + line[1:]

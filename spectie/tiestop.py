@@ -335,11 +335,19 @@ def step_rule(band: float, band_origin: str, logits: tuple[float, str] | None) -
 
 
 def threshold_for_model(model_path: str, device: str | None = None) -> tuple[float, str]:
-    """The detector's threshold for a model folder (or hub id), matched by its weights' digest: the larger of
-    `default_threshold` (preferring the band recorded on `device`, default this machine's) and one bf16 step at
-    the logits recorded for these weights (`step_rule`)."""
+    """`default_threshold` for a model folder (or hub id), matched by its weights' digest, preferring the band
+    recorded on `device` (default: this machine's, `fingerprint.device_name`). The classifier's band: it compares
+    fp32 margins, which are not bf16-rounded."""
     from spectie.fingerprint import device_name, model_digest
 
-    digest = model_digest(model_path)
-    band, origin = default_threshold(digest=digest, device=device or device_name())
-    return step_rule(band, origin, recorded_logits(digest))
+    return default_threshold(digest=model_digest(model_path), device=device or device_name())
+
+
+def detector_threshold_for_model(model_path: str, device: str | None = None) -> tuple[float, str]:
+    """The detector's threshold for a model folder (or hub id): the larger of its band (`threshold_for_model`)
+    and one bf16 step at the logits recorded for these weights (`step_rule`), since the detector reads margins
+    that vLLM served from bf16 logits."""
+    from spectie.fingerprint import model_digest
+
+    band, origin = threshold_for_model(model_path, device)
+    return step_rule(band, origin, recorded_logits(model_digest(model_path)))

@@ -36,7 +36,7 @@ def test_the_computed_sentences_say_what_the_records_say():
     assert guidance.ends_text(limit, {}).startswith("No speculative completion differs")
     assert guidance.stops_text([], 0, 0.1).startswith("No recorded run stopped")
     assert guidance.stops_text([0.0, 0.5], 1, 0.1) == \
-        "The recorded stops won by 0.00 to 0.50 logits: 1 of 2 are inside the 0.100-logit band"
+        "The recorded stops won by 0.00 to 0.50 logits: 1 of 2 are within the detector's threshold of 0.100 logits"
     assert guidance.upstream_text({"mtp-k1": limit}, limit, "58").endswith("the classifier is the tool that finds the tie")
     assert "not at the stop" in guidance.upstream_text({"mtp-k1": stop}, limit, "9")
     assert guidance.upstream_text({}, limit, "—").startswith("Speculation left every completion")
@@ -162,7 +162,7 @@ def test_detector_facts_count_the_stops_inside_the_band():
             {"finish": "stop", "margin": None, "flagged": None}, {"finish": "length", "margin": None, "flagged": None}]
     assert guidance.detector_facts(rows, 0.1) == {
         "stops_total": 3, "stops_flagged": 1,
-        "stops_text": "The recorded stops won by 0.05 to 1.50 logits: 1 of 2 are inside the 0.100-logit band"}
+        "stops_text": "The recorded stops won by 0.05 to 1.50 logits: 1 of 2 are within the detector's threshold of 0.100 logits"}
     assert guidance.detector_facts([], 0.1)["stops_total"] == 0
     stop = {"stop_token": "<eos>", "margin": 0.04, "runner_up": "x"}
     detector = guidance.detector_rows([_run("plain", [1, 0], method="none", stop_margin=stop)], 0.1)

@@ -157,8 +157,9 @@ def test_the_first_page_says_why_the_incidents_margin_is_a_tie(reported):
     envs = load_environments()
     mechanism = verdicts_record({"mtp": [(NEAR_TIE_LABEL, 0.0)] * 3})
     note = summary.verdict(reported + [mechanism], envs).tie_note
-    assert note.startswith("Why a margin of 0.67 logits counts as a tie: the noise bands measured here (0.12 to 0.12")
-    assert "bf16 moving this very margin by 1.36 logits (reported, record `hf-reference-logits-1854`)" in note
+    assert note.startswith("Why a margin of 0.67 logits counts as a tie: the thresholds the classifier used here (0.12 "
+                           "logits) are the organism's")
+    assert "bf16 moving this very margin by 1.36 logits (reported, record hf-reference-logits-1854)" in note
     agreeing = copy.deepcopy(reported)
     ref = next(r for r in agreeing if r["id"] == summary.REFERENCE_ID)
     bf16 = next(row for row in ref["results"]["rows"] if row["dtype"] == "bf16")
@@ -171,7 +172,7 @@ def test_the_incidents_ngram_gpu_stop_is_read_against_the_ledger(reported):
 
     ledger = ledger_record()
     text = summary.incident_ngram_text(reported, ledger)
-    assert text == ("the incident's own ngram_gpu stop (reported, record `original-ngram_gpu-wide-verify`) ran vLLM "
+    assert text == ("the incident's own ngram_gpu stop (reported, record original-ngram_gpu-wide-verify) ran vLLM "
                     "0.31.0, in which the fix ledger finds none of the #39273 fixes: it may be this correctness bug "
                     "rather than a tie, and these records cannot tell which")
     fixed = copy.deepcopy(ledger)
@@ -179,3 +180,7 @@ def test_the_incidents_ngram_gpu_stop_is_read_against_the_ledger(reported):
         if fix["fix"].startswith("39273 / PR 56531 (behaviour"):
             fix["per_release"]["0.31.0"] = "present"
     assert "in which the fix ledger finds 39273 / PR 56531 (behaviour described in the PR):" in summary.incident_ngram_text(reported, fixed)
+
+
+def test_bullets_keep_a_name_spelled_with_an_inner_capital():
+    assert summary.bullets(["vLLM 0.32.0 ran", "speculation by mtp"]) == "- vLLM 0.32.0 ran.\n- Speculation by mtp."
