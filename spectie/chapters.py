@@ -292,9 +292,12 @@ def build_stale(progress: bool = True, log=print) -> list[str]:
 
 
 def execution_rows() -> list[dict]:
-    """When, where and how long each chapter's executed copy ran (papermill's times, this project's stamp)."""
+    """When, where and how long each chapter's executed copy ran (papermill's times, this project's stamp); not
+    the execution appendix itself, which runs after every other chapter and reads their copies."""
     rows = []
     for chapter in CHAPTERS.values():
+        if chapter.name == "execution":
+            continue
         path = executed_path(chapter)
         if not path.is_file():
             rows.append({"chapter": chapter.name, "executed": "not yet"})

@@ -108,7 +108,8 @@ def error_lines(record: dict) -> str:
         where = f"raised in {path.split('site-packages/')[-1] if 'site-packages/' in path else Path(path).name}" \
                 f" ({frames[-1]['function']})"
     cause = root_cause(error)
-    return "\n".join([f"{error['type']} during {error['phase']}: {error['message'][-400:]}",
+    message = re.sub(r"\s*\[type=[^\]]*\]", "", error["message"])  # pydantic's trailer: the repr of every argument
+    return "\n".join([f"{error['type']} during {error['phase']}: {message[-400:]}",
                       *([where] if where else []), *([f"root cause (engine log): {cause}"] if cause else [])])
 
 
