@@ -302,11 +302,13 @@ def gpu_findings(records: list[dict], ledger: dict | None = None) -> list[str]:
         mtp = [r for r in runs if r["parameters"]["method"] == "mtp"]
         if mtp:
             stopped, never = early_stops(runs, "mtp")
-            parts = ["MTP " + (f"stopped earlier than plain greedy in {_and(stopped)}" if stopped
-                               else "never stopped earlier than plain greedy")
-                     + (f", and never in {', '.join(never)}" if stopped and never else f" ({_k_list(mtp)})" if not stopped else "")]
-            parts[0] += _verdicts_clause(divergences.get((env_id, "mtp")), any(
-                not x.get("same_as_baseline") for r in mtp for x in r["results"]["repeats"]))
+            if stopped:
+                text = f"MTP stopped earlier than plain greedy in {_and(stopped)}"
+                text += f", and never in {', '.join(never)}" if never else ""
+            else:
+                text = f"MTP ({_k_list(mtp)}) never stopped earlier than plain greedy"
+            parted = any(not x.get("same_as_baseline") for r in mtp for x in r["results"]["repeats"])
+            parts = [text + _verdicts_clause(divergences.get((env_id, "mtp")), parted)]
         else:
             parts = ["MTP did not run"]
         ngram = [r for r in runs if r["parameters"]["method"] == "ngram_gpu" and r["results"]["repeats"]]
