@@ -27,6 +27,11 @@ def detector_rows(records: list[dict], threshold: float) -> list[dict]:
     return rows
 
 
+def yes_no(value) -> str:
+    """A table's boolean in words."""
+    return {True: "yes", False: "no"}.get(value, "—")
+
+
 def outcome(repeat: dict) -> str:
     """How one recorded completion ended, in words."""
     if repeat["finish_reason"] == "stop":

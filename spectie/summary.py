@@ -286,10 +286,21 @@ def _verdicts_clause(row: dict | None, parted: bool) -> str:
 
 
 def gpu_findings(records: list[dict], ledger: dict | None = None) -> list[str]:
+    """Per vLLM release run on a GPU here, one sentence (`gpu_finding_parts` joined)."""
+    return [head + ": " + "; ".join(parts) for head, parts in gpu_finding_parts(records, ledger)]
+
+
+def gpu_findings_markdown(records: list[dict], ledger: dict | None = None) -> str:
+    """`gpu_finding_parts` as a Markdown list: a release per item, what each path did beneath it."""
+    return "\n".join(f"- **{head}**:\n" + "\n".join(f"  - {capitalised(part)}." for part in parts)
+                     for head, parts in gpu_finding_parts(records, ledger))
+
+
+def gpu_finding_parts(records: list[dict], ledger: dict | None = None) -> list[tuple[str, list[str]]]:
     """Per vLLM release run on a GPU here (the reproduce matrix on the organism): whether MTP stopped earlier
     than plain greedy and with which configurations, whether ngram_gpu parted from plain greedy and how the
     classifier's verdict records call those divergences, and which #39273 fixes the ledger finds in that
-    release. Each sentence covers one environment's records, all of its prompts."""
+    release. Each covers one environment's records, all of its prompts: (where it ran, [one clause a path])."""
     from spectie.fixes import VERDICTS, fixes_for
 
     divergences = {(row["environment"], row["method"]): row for row in engine_divergences(records)}
@@ -298,7 +309,7 @@ def gpu_findings(records: list[dict], ledger: dict | None = None) -> list[str]:
         first = runs[0]["fingerprint"]
         seeds = sorted({r["parameters"]["prompt_seed"] for r in runs})
         head = (f"vLLM {first['vllm']} on an {first['gpu']} ({env_id}, the {model}, {len(seeds)} "
-                f"prompt{'s' if len(seeds) != 1 else ''}, measured): ")
+                f"prompt{'s' if len(seeds) != 1 else ''}, measured)")
         mtp = [r for r in runs if r["parameters"]["method"] == "mtp"]
         if mtp:
             stopped, never = early_stops(runs, "mtp")
@@ -323,7 +334,7 @@ def gpu_findings(records: list[dict], ledger: dict | None = None) -> list[str]:
             has = [r["fix"] for r in rows if r["this release"] == VERDICTS["present"]]
             parts.append("the fix ledger finds in this release " + (", ".join(has) if has else "none") + " of the "
                          f"{len(rows)} #39273 fixes (GDN state under speculation)")
-        lines.append(head + "; ".join(parts))
+        lines.append((head, parts))
     return lines
 
 
@@ -380,6 +391,6 @@ def bullets(lines: list[str]) -> str:
 
 def capitalised(line: str) -> str:
     """The sentence with its first letter in upper case, unless its first word is a name spelled with a
-    capital inside (vLLM, iOS)."""
+    capital inside (vLLM) or an identifier (ngram_gpu)."""
     first = line.split(" ", 1)[0]
-    return line if any(c.isupper() for c in first[1:]) else line[0].upper() + line[1:]
+    return line if any(c.isupper() for c in first[1:]) or "_" in first else line[0].upper() + line[1:]

@@ -187,4 +187,5 @@ def test_the_incidents_ngram_gpu_stop_is_read_against_the_ledger(reported):
 
 
 def test_bullets_keep_a_name_spelled_with_an_inner_capital():
-    assert summary.bullets(["vLLM 0.32.0 ran", "speculation by mtp"]) == "- vLLM 0.32.0 ran.\n- Speculation by mtp."
+    assert summary.bullets(["vLLM 0.32.0 ran", "speculation by mtp", "ngram_gpu wrote"]) == (
+        "- vLLM 0.32.0 ran.\n- Speculation by mtp.\n- ngram_gpu wrote.")
