@@ -241,27 +241,3 @@ def detector_curve(rows: list[dict], marks: dict[str, float], title: str):
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, fontsize=8, frameon=False)
     return _finish(fig, ax, title)
 
-
-def captioned(fig, alt: str, caption: str):
-    """A figure as HTML with alt text and a caption (for figures drawn in a loop, which a glued figure
-    directive cannot name one by one)."""
-    import base64
-    import html
-    import io
-
-    from IPython.display import HTML
-
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
-    image = base64.b64encode(buffer.getvalue()).decode("ascii")
-    return HTML(f'<figure class="spectie-figure"><img src="data:image/png;base64,{image}" alt="{html.escape(alt)}" '
-                f'style="max-width:100%"><figcaption>{html.escape(caption)}</figcaption></figure>')
-
-
-def folded(table, summary: str):
-    """A long table (a DataFrame or its Styler) folded under a one-line summary the reader opens."""
-    import html
-
-    from IPython.display import HTML
-
-    return HTML(f"<details><summary>{html.escape(summary)}</summary>{table.to_html()}</details>")
