@@ -221,8 +221,9 @@ def from_record(record: dict) -> list[Completion]:
     """The completions of a reproduction record (`make run CHAPTER=reproduce`), one per repeat, as the detector
     reads them: the top-2 margin vLLM served at each output position, the stop token and its runner-up named."""
     results = record.get("results") if isinstance(record, dict) else None
-    if record.get("kind") != "engine-outcome" or not isinstance(results, dict) or "repeats" not in results:
-        raise UsageError(f"record {record.get('id')!r}: not a reproduction record (kind engine-outcome, with repeats)")
+    if not isinstance(results, dict) or record.get("kind") != "engine-outcome" or "repeats" not in results:
+        name = record.get("id") if isinstance(record, dict) else None
+        raise UsageError(f"record {name!r}: not a reproduction record (kind engine-outcome, with repeats)")
     completions = []
     for number, repeat in enumerate(results["repeats"], 1):
         steps = [Step(f"#{token}", 0.0, {f"#{token}": 0.0} if margin is None else {f"#{token}": 0.0, "runner-up": -margin})
@@ -305,7 +306,7 @@ def default_threshold(digest: str | None = None, records: list[dict] | None = No
 def bf16_step(magnitude: float) -> float:
     """The spacing of bfloat16 numbers at `magnitude` (8 significant bits): two bf16 logits of that size differ
     by a whole number of it, so a margin vLLM serves from bf16 logits there is 0 or at least one step."""
-    return 2.0 ** (math.floor(math.log2(abs(magnitude))) - 7)
+    return 2.0 ** (math.floor(math.log2(abs(magnitude))) - 7) if magnitude else 0.0
 
 
 def recorded_logits(digest: str | None, records: list[dict] | None = None) -> tuple[float, str] | None:
