@@ -36,7 +36,7 @@ def test_the_incident_matrix_expands_per_k_and_maps_to_vllm_arguments():
     ("{id: a, method: mtp, k: 1, speculative: yes}", "unknown field(s) speculative"),
     ("{id: a, method: mtp, k: 1, model_runner: V3}", "model_runner must be V1, V2 or null"),
     ("{method: mtp, k: 1}", "needs an id"),
-    ("{id: a, method: none, expect: fail}", "expect must be one of ok, refused, crashed"),
+    ("{id: a, method: none, expect: fail}", "expect must be one of ok, refused, crashed, ok-or-crashed"),
 ])
 def test_bad_configurations_are_refused_with_the_reason(tmp_path, entry, message):
     path = tmp_path / "m.yaml"

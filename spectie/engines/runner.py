@@ -27,7 +27,7 @@ from pathlib import Path
 
 from spectie.engines.child import MARKER
 from spectie.errors import UsageError
-from spectie.engines.matrix import EngineConfig, Matrix
+from spectie.engines.matrix import EXPECTED_STATUSES, EngineConfig, Matrix
 from spectie.paths import project_root
 
 CHAPTER = "reproduce"
@@ -341,7 +341,7 @@ def summarize(outcome: Outcome, config: EngineConfig, prompt_len: int, baseline:
     results = {
         "status": outcome.status,
         "expected": config.expect,
-        "as_expected": outcome.status == {"ok": "ok", "refused": "unsupported", "crashed": "crashed"}[config.expect],
+        "as_expected": outcome.status in EXPECTED_STATUSES[config.expect],
         "stopped_early": bool(stopped) if repeats else None,
         "runs_stopped": len(stopped),
         "runs_total": len(repeats),
