@@ -32,6 +32,7 @@ help:
 	@echo "make clean   remove build products (keeps $(VENV) and results/)"
 
 setup: $(SETUP_STAMP) $(if $(VLLM_CPU),$(VLLM_STAMP)) $(TOKENIZER) $(ORGANISM)
+	@bash scripts/ensure_browser.sh  # headless Chromium for the layout test (apt, when missing)
 
 $(SETUP_STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -95,7 +96,7 @@ list check: check-setup
 
 # K=<expression> selects tests (pytest -k); a selection that matches nothing is said, not failed.
 test: setup
-	@status=0; $(PY) -m pytest -q tests $(if $(K),-k "$(K)") || status=$$?; \
+	@status=0; $(PY) -m pytest -q --durations=15 tests $(if $(K),-k "$(K)") || status=$$?; \
 	if [ $$status -eq 5 ] && [ -n "$(K)" ]; then echo "no test matches K=$(K)"; status=0; fi; exit $$status
 
 clean:

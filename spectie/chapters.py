@@ -2,7 +2,8 @@
 
 A chapter is stale when the hash of everything it depends on (its notebook, its parameters, the
 package modules it imports, the versions of the libraries that compute and the input files it reads)
-differs from the hash stored in its executed copy.
+differs from the hash stored in its executed copy. The copy also keeps the digest of each input, so
+`spectie stale` says which input changed.
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ from spectie.paths import project_root
 class Chapter:
     name: str
     notebook: str  # source notebook, relative to the project root
-    inputs: tuple[str, ...]  # glob patterns (relative to the root) of the files the chapter reads
+    inputs: tuple[str, ...]  # glob patterns (relative to the root) of the files the chapter reads; {environment}: its run's
     summary: str
+    # Which environment files it reads: "all" (it shows every environment), or "named": those its input records
+    # name and its run's own (each incident environment is named by a reported record: tests/test_chapters.py).
+    environments: str = "named"
 
 
 EXECUTED_DIR = "book/generated"
@@ -33,32 +37,33 @@ EXECUTED_DIR = "book/generated"
 CHAPTERS = {
     c.name: c
     for c in (
-        Chapter("incident", "notebooks/incident.ipynb", ("results/reported/**/*.json", "environments/*.yaml"),
+        Chapter("incident", "notebooks/incident.ipynb", ("results/reported/**/*.json",),
                 "The incident as reported: symptom, configuration matrix, fp32/bf16 logits"),
         Chapter("margins", "notebooks/margins.ipynb",
                 ("artifacts/organism/*.json", "artifacts/organism/*.safetensors", "results/reported/**/*.json",
-                 "results/measured/*/margins/*.json", "environments/*.yaml"),
+                 "results/measured/*/margins/*.json"),
                 "fp32 vs bf16 margins of the watched pair, teacher-forced, on the organism by default"),
         Chapter("reproduce", "notebooks/reproduce.ipynb",
                 ("artifacts/organism/*.json", "artifacts/organism/*.safetensors", "results/reported/**/*.json",
-                 "results/measured/*/reproduce/*.json", "environments/*.yaml"),
+                 "results/measured/*/reproduce/*.json"),
                 "The incident's configuration matrix through vLLM (CPU build on the organism by default)"),
         Chapter("reduction_order", "notebooks/reduction_order.ipynb",
                 ("artifacts/organism/*.json", "artifacts/organism/*.safetensors", "results/reported/**/*.json",
-                 "results/measured/*/reduction_order/*.json", "environments/*.yaml"),
+                 "results/measured/*/reduction_order/*.json"),
                 "Reduction-order sensitivity: logits per computation shape and the bf16 noise band"),
         Chapter("guidance", "notebooks/guidance.ipynb",
                 ("artifacts/organism/*.json", "artifacts/organism/*.safetensors", "results/reported/**/*.json",
-                 "results/measured/*/reproduce/*.json", "results/measured/*/margins/*.json",
+                 "results/measured/*/reproduce/*.json", "results/measured/{environment}-????????????/margins/*.json",
                  "results/measured/*/reduction_order/*.json", "results/measured/*/guidance/*.json",
                  "sources/fix_ledger.json",
-                 "sources/classifier_cases.json", "environments/*.yaml"),
+                 "sources/classifier_cases.json"),
                 "Guidance for operators: each workaround against the records, the tie-stop detector and the "
                 "divergence classifier on the recorded runs, a decision path"),
-        Chapter("environments", "notebooks/environments.ipynb", ("results/**/*.json", "environments/*.yaml"),
-                "Environments appendix, generated from environments/ and the records"),
-        Chapter("summary", "notebooks/summary.ipynb", ("results/**/*.json", "environments/*.yaml"),
-                "The book's first page: the answer, computed from every record, and what was not measured"),
+        Chapter("environments", "notebooks/environments.ipynb", ("results/**/*.json",),
+                "Environments appendix, generated from environments/ and the records", environments="all"),
+        Chapter("summary", "notebooks/summary.ipynb", ("results/**/*.json",),
+                "The book's first page: the answer, computed from every record, and what was not measured",
+                environments="all"),
         Chapter("execution", "notebooks/execution.ipynb",
                 tuple(f"{EXECUTED_DIR}/{name}.ipynb" for name in ("incident", "margins", "reproduce", "reduction_order",
                                                                   "guidance", "environments", "summary")),
@@ -189,26 +194,51 @@ def library_versions() -> dict[str, str | None]:
     return {name: _version(name) for name in LIBRARIES}
 
 
-def content_hash(chapter: Chapter, parameters: dict) -> str:
-    """Hash of the notebook, the parameters, the package modules it uses, the installed versions of the
-    libraries that compute, and the chapter's input files.
+def _named_environments(record_files: list[Path]) -> set[str]:
+    """The environment ids that these record files name (a file that is not a record names none)."""
+    named = set()
+    for path in record_files:
+        if path.suffix != ".json":
+            continue
+        try:
+            environments = json.loads(path.read_text()).get("environments")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(environments, list):
+            named |= {e for e in environments if isinstance(e, str)}
+    return named
+
+
+def input_digests(chapter: Chapter, parameters: dict) -> dict[str, str]:
+    """What the chapter depends on, each with its digest: the parameters, the versions of the libraries that
+    compute, its notebook, the package modules it uses and its input files (records, environments, weights).
 
     The records this run writes (this chapter, this host, the run's environment) are its outputs, not its
     inputs: they are left out, so a chapter that shows every recorded run (its own and other hosts') is
     not stale after its own run, and a run interrupted in `make run ENV=...` resumes (its request keys hold
     this hash: measured on the H200, every call of a split run got a new one and re-ran everything).
+    An environment file is an input only of the chapters that read it (`Chapter.environments`).
     """
     root = project_root()
     environment = parameters.get("environment") or BUILD_ENVIRONMENT
     own = {p for p in root.glob(own_records_dir(chapter, environment) + "*.json")}
-    digest = hashlib.sha256()
-    digest.update(json.dumps(parameters, sort_keys=True, default=str).encode())
-    digest.update(json.dumps(library_versions(), sort_keys=True).encode())
-    inputs = [p for p in _files(PACKAGE_DATA + chapter.inputs, root) if p not in own]
-    for path in [root / chapter.notebook, *used_modules(chapter), *inputs]:
-        digest.update(str(path.relative_to(root)).encode() + b"\0")
-        digest.update(path.read_bytes() + b"\0")
-    return digest.hexdigest()
+    patterns = tuple(p.replace("{environment}", environment) for p in PACKAGE_DATA + chapter.inputs)
+    inputs = [p for p in _files(patterns, root) if p not in own]
+    if chapter.environments == "all":
+        env_files = _files(("environments/*.yaml",), root)
+    else:
+        named = _named_environments([p for p in inputs if "results" in p.relative_to(root).parts]) | {environment}
+        env_files = [p for p in (root / "environments" / f"{e}.yaml" for e in sorted(named)) if p.is_file()]
+    digests = {"parameters": json.dumps(parameters, sort_keys=True, default=str)}
+    digests |= {f"library {name}": str(version) for name, version in library_versions().items()}
+    for path in sorted({root / chapter.notebook, *used_modules(chapter), *inputs, *env_files}):
+        digests[path.relative_to(root).as_posix()] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return digests
+
+
+def content_hash(chapter: Chapter, parameters: dict) -> str:
+    """One hash of `input_digests`: what the executed copy and the run's records are stamped with."""
+    return hashlib.sha256(json.dumps(input_digests(chapter, parameters), sort_keys=True).encode()).hexdigest()
 
 
 def executed_path(chapter: Chapter) -> Path:
@@ -223,6 +253,24 @@ def stored_hash(path: Path) -> str | None:
         return json.loads(path.read_text())["metadata"]["spectie"]["content_hash"]
     except (KeyError, ValueError, TypeError):
         return None
+
+
+def stale_reasons(chapter: Chapter, parameters: dict | None = None) -> list[str]:
+    """Why the chapter's executed copy is out of date (empty: it is current): which inputs are new, changed
+    or gone since it was made."""
+    path = executed_path(chapter)
+    current = input_digests(chapter, parameters or {})
+    if stored_hash(path) is None:
+        return ["no executed copy yet"]
+    if stored_hash(path) == hashlib.sha256(json.dumps(current, sort_keys=True).encode()).hexdigest():
+        return []
+    stored = json.loads(path.read_text())["metadata"]["spectie"].get("inputs")
+    if not isinstance(stored, dict):
+        return ["its executed copy does not list its inputs (made by an older spectie)"]
+    reasons = [f"changed: {name}" for name in sorted(current.keys() & stored.keys()) if current[name] != stored[name]]
+    reasons += [f"new: {name}" for name in sorted(current.keys() - stored.keys())]
+    reasons += [f"gone: {name}" for name in sorted(stored.keys() - current.keys())]
+    return reasons or ["its inputs are the same but its stamp differs"]
 
 
 def current_hash(chapter_name: str) -> str:
@@ -248,7 +296,8 @@ def execute(chapter: Chapter, parameters: dict | None = None, output: Path | Non
     parameters = parameters or {}
     output = output or executed_path(chapter)
     output.parent.mkdir(parents=True, exist_ok=True)
-    stamp = content_hash(chapter, parameters)
+    digests = input_digests(chapter, parameters)
+    stamp = hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest()
     # Not beside the executed copies: a run killed outright would leave it where the book would build it.
     scratch = root / "_build" / "tmp"
     scratch.mkdir(parents=True, exist_ok=True)
@@ -270,7 +319,8 @@ def execute(chapter: Chapter, parameters: dict | None = None, output: Path | Non
     from spectie.fingerprint import device_name, host_id, now, source_revision
 
     notebook = nbformat.read(tmp_name, as_version=4)
-    notebook.metadata["spectie"] = {"content_hash": stamp, "chapter": chapter.name, "parameters": parameters,
+    notebook.metadata["spectie"] = {"content_hash": stamp, "inputs": digests, "chapter": chapter.name,
+                                    "parameters": parameters,
                                     "host_id": host_id(), "device": device_name(), "finished_at": now(),
                                     "source_commit": source_revision()["commit"]}
     nbformat.write(notebook, tmp_name)
@@ -278,14 +328,21 @@ def execute(chapter: Chapter, parameters: dict | None = None, output: Path | Non
     return output
 
 
+def reasons_text(reasons: list[str], shown: int = 3) -> str:
+    """The first few reasons, and how many more."""
+    more = len(reasons) - shown
+    return "; ".join(reasons[:shown]) + (f"; and {more} more" if more > 0 else "")
+
+
 def build_stale(progress: bool = True, log=print) -> list[str]:
     """Execute every chapter whose executed copy is missing or out of date; return their names."""
     ran = []
     for chapter in CHAPTERS.values():
-        if not is_stale(chapter):
+        reasons = stale_reasons(chapter)
+        if not reasons:
             log(f"[up to date] {chapter.name}")
             continue
-        log(f"[executing]  {chapter.name} ({chapter.notebook})")
+        log(f"[executing]  {chapter.name} ({chapter.notebook}): {reasons_text(reasons)}")
         execute(chapter, progress=progress)
         ran.append(chapter.name)
     return ran

@@ -85,10 +85,14 @@ def _cmd_venv(args) -> int:
 
 
 def _cmd_stale(args) -> int:
-    from spectie.chapters import CHAPTERS, is_stale
+    """Each chapter, in build order: up to date, or stale and why (its new, changed or gone inputs). A chapter
+    that an earlier stale one writes records for may turn stale only once that one has run."""
+    from spectie.chapters import CHAPTERS, reasons_text, stale_reasons
 
     for chapter in CHAPTERS.values():
-        print(f"{'stale' if is_stale(chapter) else 'up to date':11} {chapter.name}")
+        reasons = stale_reasons(chapter)
+        print(f"{'stale' if reasons else 'up to date':11} {chapter.name}" +
+              (f": {reasons_text(reasons, 1000 if args.all else 3)}" if reasons else ""))
     return 0
 
 
@@ -244,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "internet whose torch is preinstalled: the venv sees the system's packages)")
     p.set_defaults(func=_cmd_venv)
 
-    p = sub.add_parser("stale", help="say which chapters would be re-executed")
+    p = sub.add_parser("stale", help="say which chapters would be re-executed, and why")
+    p.add_argument("--all", action="store_true", help="every reason, not the first three of each chapter")
     p.set_defaults(func=_cmd_stale)
 
     p = sub.add_parser("check", help="validate every record and environment file")

@@ -64,11 +64,67 @@ def check_tokens(name: str, ids, vocab_size: int) -> list[int]:
     return ids
 
 
-def trailing(logits, tokens: list[int], threshold: float, decode) -> list[dict]:
+def gaps(logits, tokens: list[int]) -> list[float]:
+    """How far each chosen token trails its row's top-1, in logits (0: it is the top-1)."""
+    return [float(gap) for gap in logits.max(dim=1).values - logits[range(len(tokens)), tokens]]
+
+
+def trailing(gap_list: list[float], tokens: list[int], threshold: float, decode) -> list[dict]:
     """Positions where the chosen token trails the row's top-1 by more than `threshold` logits (first 10)."""
-    gaps = logits.max(dim=1).values - logits[range(len(tokens)), tokens]
-    return [{"position": i, "token": decode(tokens[i]), "gap": round(float(gap), 4)}
-            for i, gap in enumerate(gaps) if gap > threshold][:10]
+    return [{"position": i, "token": decode(tokens[i]), "gap": round(gap, 4)}
+            for i, gap in enumerate(gap_list) if gap > threshold][:10]
+
+
+SCORES_DIR = "artifacts/cache/divergence-scores"  # beside the unpacked organism: made on this host, never committed
+
+
+def _scores_file(path: str, prompt_ids: list[int], tokens_a: list[int], tokens_b: list[int], device: str,
+                 serving_dtype: str) -> Path | None:
+    """Where the scores of this pair are kept: keyed by the weights' digest, the tokens, the device, the serving
+    precision, the torch and transformers versions and this scoring code; None for weights without a digest."""
+    import hashlib
+
+    from spectie.fingerprint import _version, model_digest
+    from spectie.paths import project_root
+
+    digest = model_digest(path)
+    if digest is None:
+        return None
+    code = [(Path(__file__).parent / name).read_text() for name in ("divergence.py", "model.py")]
+    key = json.dumps([digest, prompt_ids, tokens_a, tokens_b, device, serving_dtype, _version("torch"),
+                      _version("transformers"), hashlib.sha256("".join(code).encode()).hexdigest()])
+    return project_root() / SCORES_DIR / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
+
+
+def scores(path: str, prompt_ids: list[int], tokens_a: list[int], tokens_b: list[int], index: int,
+           device: str = "cpu", serving_dtype: str = "bfloat16") -> dict:
+    """The figures of one divergence that need the model, whatever the band: the fp32 margin of the two tokens at
+    `index` from their shared context, the same in the serving precision, fp32's top-1 there and the two tokens'
+    ranks, and how far each token of both sequences trails fp32's top-1 from its own context. Computed once on a
+    host (kept in SCORES_DIR): the chapter, the tests and the command line read the same scores."""
+    import os
+    import tempfile
+
+    kept = _scores_file(path, prompt_ids, tokens_a, tokens_b, device, serving_dtype)
+    if kept is not None and kept.is_file():
+        return json.loads(kept.read_text())
+    scoring = scorer(path, device, serving_dtype)
+    rows_a = scoring.logits("float32", prompt_ids, tokens_a)
+    rows_b = scoring.logits("float32", prompt_ids, tokens_b)
+    served = scoring.logits(serving_dtype, prompt_ids, tokens_a[:index + 1], rows=[index])[0]
+    a, b = tokens_a[index], tokens_b[index]
+    row = rows_a[index]  # the shared context: both sequences agree up to `index`
+    order = row.argsort(descending=True).tolist()
+    result = {"margin": float(row[a] - row[b]), "served_margin": float(served[a] - served[b]), "top1": order[0],
+              "rank_a": order.index(a) + 1, "rank_b": order.index(b) + 1,
+              "gaps_a": gaps(rows_a, tokens_a), "gaps_b": gaps(rows_b, tokens_b)}
+    if kept is not None:  # written whole or not at all
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=kept.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(result, f)
+        os.replace(tmp, kept)
+    return result
 
 
 def stop_where_other_goes_on(tokens_a: list[int], tokens_b: list[int], eos_ids: list[int]):
@@ -81,6 +137,80 @@ def stop_where_other_goes_on(tokens_a: list[int], tokens_b: list[int], eos_ids: 
     return None, None
 
 
+class Scorer:
+    """Teacher-forced logits of one checkpoint, in fp32 through transformers' torch reference code (the reference)
+    and in the serving precision: each model loaded once, and each prompt's state (KV cache, GDN and convolution
+    states) computed once and shared by every sequence scored after it. The prompts' forward passes are most of a
+    classification's cost (1,845 prompt tokens against at most 48 output tokens in the labelled cases)."""
+
+    PROMPTS_KEPT = 8  # prompt states kept per precision (the labelled cases use 8 prompts)
+
+    def __init__(self, path: str, device: str = "cpu", serving_dtype: str = "bfloat16"):
+        self.path, self.device, self.serving_dtype = path, device, serving_dtype
+        self._models: dict[str, object] = {}
+        self._prompts: dict[tuple, tuple] = {}
+
+    def _model(self, dtype: str):
+        from spectie.model import load_model
+
+        if dtype not in self._models:
+            self._models[dtype] = load_model(self.path, dtype, self.device)
+        return self._models[dtype]
+
+    def logits(self, dtype: str, prompt_ids: list[int], tokens: list[int], rows: list[int] | None = None):
+        """Logits (float64, on CPU), row i predicting tokens[i] after the prompt and tokens[:i]: the prompt's
+        state (computed once), then one forward over the tokens from a copy of it. `rows`: only those rows (the
+        output head over a 248k vocabulary is most of the cost of a short sequence, in bf16 on a CPU above all)."""
+        import copy
+
+        import torch
+
+        from spectie.model import reference_gdn_kernels
+
+        model = self._model(dtype)
+        key = (dtype, tuple(prompt_ids))
+        with torch.no_grad(), reference_gdn_kernels():
+            if key not in self._prompts:
+                out = model.model(input_ids=torch.tensor([list(prompt_ids)], device=self.device), use_cache=True)
+                mine = [k for k in self._prompts if k[0] == dtype]
+                for old in mine[:max(0, len(mine) - self.PROMPTS_KEPT + 1)]:
+                    del self._prompts[old]
+                self._prompts[key] = (out.past_key_values, out.last_hidden_state[0, -1:])
+            cache, hidden = self._prompts[key]
+            if len(tokens) > 1:
+                more = model.model(input_ids=torch.tensor([list(tokens[:-1])], device=self.device),
+                                   past_key_values=copy.deepcopy(cache), use_cache=True).last_hidden_state[0]
+                hidden = torch.cat([hidden, more])
+            if rows is not None:
+                hidden = hidden[torch.tensor(rows, device=hidden.device)]
+            return model.lm_head(hidden).double().cpu()
+
+
+_SCORERS: dict[tuple, Scorer] = {}
+
+
+def _tokenizer(path: str):
+    """The checkpoint's tokenizer, loaded once per process."""
+    from transformers import AutoTokenizer
+
+    if path not in _TOKENIZERS:
+        _TOKENIZERS[path] = AutoTokenizer.from_pretrained(path)
+    return _TOKENIZERS[path]
+
+
+_TOKENIZERS: dict[str, object] = {}
+
+
+def scorer(path: str, device: str = "cpu", serving_dtype: str = "bfloat16") -> Scorer:
+    """The process's scorer of this checkpoint (one per path, device and serving precision: the models and the
+    prompt states are reused by every classification in the process)."""
+    key = (str(path), device, serving_dtype)
+    if key not in _SCORERS:
+        _SCORERS.clear()  # one checkpoint's models in memory at a time
+        _SCORERS[key] = Scorer(str(path), device, serving_dtype)
+    return _SCORERS[key]
+
+
 def classify(model: str, prompt_ids: list[int], tokens_a: list[int], tokens_b: list[int],
              threshold: float | None = None, device: str = "cpu", serving_dtype: str = "bfloat16") -> Divergence:
     """Classify the first divergence of `tokens_a` from `tokens_b` (outputs generated after `prompt_ids`).
@@ -88,10 +218,9 @@ def classify(model: str, prompt_ids: list[int], tokens_a: list[int], tokens_b: l
     Also checks every token of both sequences against the fp32 reference from its own context: a correct
     engine, whatever its computation order, picks a token within the noise band of the reference's top-1.
     `threshold`: the noise band in logits; default the recorded bf16 band of the nearest model size."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
-    from spectie.model import (check_device, end_of_text_ids, load_model, reference_gdn_kernels, resolve_model,
-                               teacher_forced_logits, torch_dtype)
+    from spectie.model import check_device, end_of_text_ids, resolve_model, torch_dtype
     from spectie.engines.runner import first_divergence
     from spectie.tiestop import threshold_for_model
 
@@ -117,25 +246,16 @@ def classify(model: str, prompt_ids: list[int], tokens_a: list[int], tokens_b: l
     elif index == len(tokens_b) < len(tokens_a):
         tokens_b = tokens_b + eos_ids[:1]
     stopped, stop_position = stop_where_other_goes_on(tokens_a, tokens_b, eos_ids)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = _tokenizer(path)
     decode = lambda token: tokenizer.decode([token])  # noqa: E731
-    start = len(prompt_ids)
     a, b = tokens_a[index], tokens_b[index]
     origin = "given"
     if threshold is None:
         threshold, origin = threshold_for_model(path)
-    with reference_gdn_kernels():
-        reference = load_model(path, "float32", device)
-        rows_a = teacher_forced_logits(reference, list(prompt_ids) + tokens_a, [start + i for i in range(len(tokens_a))])
-        rows_b = teacher_forced_logits(reference, list(prompt_ids) + tokens_b, [start + i for i in range(len(tokens_b))])
-        del reference
-        serving = load_model(path, serving_dtype, device)
-        served = teacher_forced_logits(serving, list(prompt_ids) + tokens_a[:index + 1], [start + index])[0]
-        del serving
-    row = rows_a[index]  # the shared context: both sequences agree up to `index`
-    margin = float(row[a] - row[b])
-    order = row.argsort(descending=True).tolist()
-    outside_a, outside_b = trailing(rows_a, tokens_a, threshold, decode), trailing(rows_b, tokens_b, threshold, decode)
+    found = scores(path, prompt_ids, tokens_a, tokens_b, index, device, serving_dtype)
+    margin = found["margin"]
+    outside_a = trailing(found["gaps_a"], tokens_a, threshold, decode)
+    outside_b = trailing(found["gaps_b"], tokens_b, threshold, decode)
     text_a, text_b = decode(a), decode(b)
     # The explanation counts output tokens from 1, as the book's tables do; `position` fields stay 0-based.
     head = f"at output token {index + 1}, {text_a!r} and {text_b!r} are {abs(margin):.3f} logits apart in fp32"
@@ -159,8 +279,8 @@ def classify(model: str, prompt_ids: list[int], tokens_a: list[int], tokens_b: l
     if stop_position is not None and stop_position != index:
         explanation += (f"; sequence {stopped} later stops (end-of-text at output token {stop_position + 1}) where the other "
                         "goes on: that stop follows from this first divergence, not from a tie of its own")
-    return Divergence(verdict, index, a, b, text_a, text_b, margin, float(served[a] - served[b]), decode(order[0]),
-                      order.index(a) + 1, order.index(b) + 1, outside_a, outside_b, threshold, origin, explanation,
+    return Divergence(verdict, index, a, b, text_a, text_b, margin, found["served_margin"], decode(found["top1"]),
+                      found["rank_a"], found["rank_b"], outside_a, outside_b, threshold, origin, explanation,
                       stopped, stop_position)
 
 

@@ -2,6 +2,7 @@
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,27 +17,46 @@ def make(target, root, *args):
                           capture_output=True, text=True, timeout=1800)  # a whole build: ~12 min uncontended
 
 
+def stale_chapters(root: Path) -> tuple[list[str], str]:
+    """The chapters `spectie stale` names in the project at `root`, and its output."""
+    result = subprocess.run([str(Path(sys.prefix) / "bin" / "python"), "-m", "spectie", "stale"], cwd=root,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [line.split()[1].rstrip(":") for line in result.stdout.splitlines() if line.startswith("stale")], result.stdout
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """A clean copy of the project, built once for all tests of this module."""
+    """A copy of the project, built once for all tests of this module. The chapters' executed copies of this
+    checkout travel with it: where they are current the build executes nothing (a fresh clone has none, so
+    there, as in CI, the whole book is executed from clean)."""
     if not (Path(sys.prefix) / "bin" / "jupyter-book").exists():
         pytest.fail("run the tests from the project's environment (make test)")
     root = copy_project(tmp_path_factory.mktemp("clean") / "project")
-    assert not (root / "book" / "generated").exists() and not (root / "_build").exists()
+    assert not (root / "_build").exists()
+    for executed in sorted((ROOT / "book" / "generated").glob("*.ipynb")):
+        (root / "book" / "generated").mkdir(parents=True, exist_ok=True)
+        shutil.copy2(executed, root / "book" / "generated" / executed.name)
     (root / "artifacts").symlink_to(ROOT / "artifacts")  # built by `make setup`, like the environment
+    stale, _ = stale_chapters(root)
     result = make("build", root)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return root, result
+    return root, result, stale
 
 
 def _text(html_file: Path) -> str:
     return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", html_file.read_text()))
 
 
-def test_the_first_build_executes_every_chapter_without_warnings(built):
-    root, result = built
-    assert ("executed 8 chapter(s): incident, margins, reproduce, reduction_order, guidance, environments, summary, "
-            "execution" in result.stdout)
+def test_the_build_executes_what_is_stale_without_warnings(built):
+    """The build executes the chapters `spectie stale` named, in order (from a clean clone: all eight), and the
+    execution appendix after any of them."""
+    root, result, stale = built
+    executed = re.findall(r"^\[executing\]  (\w+)", result.stdout, re.M)
+    assert executed == stale + (["execution"] if stale and "execution" not in stale else []), result.stdout[-3000:]
+    if not (ROOT / "book" / "generated").is_dir():  # a fresh clone: the whole book from clean
+        assert executed == ["incident", "margins", "reproduce", "reduction_order", "guidance", "environments",
+                            "summary", "execution"]
     text = _text(root / "_build" / "html" / "generated" / "execution.html")
     assert "Appendix: how this book was built" in text and "7 chapters have an executed copy" in text
     assert "build succeeded" in result.stdout
@@ -44,7 +64,7 @@ def test_the_first_build_executes_every_chapter_without_warnings(built):
 
 
 def test_the_incident_page_shows_the_matrix_and_the_logits(built):
-    root, _ = built
+    root = built[0]
     page = (root / "_build" / "html" / "generated" / "incident.html").read_text()
     assert 'class="outcome-matrix' in page
     text = _text(root / "_build" / "html" / "generated" / "incident.html")
@@ -55,14 +75,14 @@ def test_the_incident_page_shows_the_matrix_and_the_logits(built):
 
 
 def test_the_environments_appendix_shows_statuses(built):
-    root, _ = built
+    root = built[0]
     text = _text(root / "_build" / "html" / "generated" / "environments.html")
     for expected in ("reported only", "not yet run", "measured here", "v0.31.0-rtx4090x2", "nightly-77154ca6-b200"):
         assert expected in text, expected
 
 
 def test_the_margins_chapter_ran_the_organism_and_wrote_measured_records(built):
-    root, _ = built
+    root = built[0]
     text = _text(root / "_build" / "html" / "generated" / "margins.html")
     for expected in ("The decisive position", "How often does a small margin flip?", "0.125", "NVIDIA H200",
                      "The designed decision, prompt by prompt", "is a tie by design"):
@@ -79,7 +99,7 @@ def test_the_margins_chapter_ran_the_organism_and_wrote_measured_records(built):
 
 def test_the_reproduce_chapter_ran_vllm_on_the_organism(built):
     """The real CPU build of vLLM ran the CPU matrix during the build; the page shows its records."""
-    root, _ = built
+    root = built[0]
     text = _text(root / "_build" / "html" / "generated" / "reproduce.html")
     for expected in ("What ran here by default is not the incident", "vLLM 0.32.0 ( cpu )",
                      "Reported and measured, side by side", "reported", "measured", "What this backend could not run"):
@@ -102,7 +122,7 @@ def test_the_reproduce_chapter_ran_vllm_on_the_organism(built):
 
 
 def test_the_reduction_order_chapter_ran_the_organism_and_shows_the_h200_shapes(built):
-    root, _ = built
+    root = built[0]
     text = _text(root / "_build" / "html" / "generated" / "reduction_order.html")
     for expected in ("This run computed organism", "qwen3.5-9b-shape (random weights)", "NVIDIA H200",
                      "What the scans cost", "random-weight shape"):
@@ -114,7 +134,7 @@ def test_the_reduction_order_chapter_ran_the_organism_and_shows_the_h200_shapes(
 
 
 def test_the_guidance_chapter_backs_each_workaround_with_records(built):
-    root, _ = built
+    root = built[0]
     text = _text(root / "_build" / "html" / "generated" / "guidance.html")
     for expected in ("numerical near-tie, not a speculative-decoding correctness bug",
                      "a planted state bug a suspected correctness bug",
@@ -140,7 +160,7 @@ def test_the_guidance_chapter_backs_each_workaround_with_records(built):
 def test_the_first_page_gives_the_answer_from_the_records(built):
     """The book opens on the answer: the verdict, its strength and what was not measured, computed from
     the records this build made (the classifier's verdicts on the recorded vLLM divergences among them)."""
-    root, _ = built
+    root = built[0]
     assert "generated/summary.html" in (root / "_build" / "html" / "index.html").read_text()  # the root page
     text = _text(root / "_build" / "html" / "generated" / "summary.html")
     for expected in ("The answer, from the records", "a numerical near-tie, not a speculative-decoding correctness bug",
@@ -163,7 +183,7 @@ def test_the_first_page_gives_the_answer_from_the_records(built):
 
 
 def test_every_figure_has_alt_text_and_a_caption(built):
-    root, _ = built
+    root = built[0]
     missing = []
     for page in sorted((root / "_build" / "html" / "generated").glob("*.html")):
         html = page.read_text()
@@ -178,7 +198,7 @@ def test_every_figure_has_alt_text_and_a_caption(built):
 
 
 def test_no_internal_link_is_broken(built):
-    root, _ = built
+    root = built[0]
     html = root / "_build" / "html"
     broken = []
     for page in sorted(p for p in html.rglob("*.html") if "_static" not in p.parts):  # _static: the theme's templates
@@ -200,7 +220,7 @@ KNOWN_UNREADABLE: set[tuple[str, str]] = set()
 
 
 def test_no_page_shows_a_traceback_nan_repr_or_local_path(built):
-    root, _ = built
+    root = built[0]
     pages = [root / "_build" / "html" / "index.html", *sorted((root / "_build" / "html").glob("*.html")),
              *sorted((root / "_build" / "html" / "generated").glob("*.html"))]
     found, seen = [], set()
@@ -234,12 +254,9 @@ window.addEventListener('load', () => {
 def test_every_table_fits_the_content_column(built):
     """Headless Chromium lays out each page at 1400 px; a table wider than the article's column is a table
     the reader must scroll sideways."""
-    import shutil
-
     browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-    if browser is None:
-        pytest.skip("no Chromium on this host (apt-get install chromium): the layout cannot be measured")
-    root, _ = built
+    assert browser, "no Chromium on this host: make setup installs it where it can (scripts/ensure_browser.sh)"
+    root = built[0]
     too_wide = {}
     for page in sorted((root / "_build" / "html" / "generated").glob("*.html")):
         probe = page.with_name(f"_probe_{page.name}")
@@ -257,14 +274,14 @@ def test_every_table_fits_the_content_column(built):
 
 
 def test_a_second_build_executes_nothing(built):
-    root, _ = built
+    root = built[0]
     result = make("build", root)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "executed 0 chapter(s): none (all up to date)" in result.stdout
 
 
 def test_make_run_executes_one_chapter_with_parameters(built, tmp_path):
-    root, _ = built
+    root = built[0]
     params = tmp_path / "params.yaml"
     params.write_text("results_dir: results\n")
     result = make("run", root, "CHAPTER=incident", f"PARAMS={params}", "ENV=cpu")
@@ -274,7 +291,7 @@ def test_make_run_executes_one_chapter_with_parameters(built, tmp_path):
 
 def test_make_run_on_a_new_environment_becomes_a_new_column(built, tmp_path):
     """A newcomer's flow, end to end on CPU: describe the host, `make run`, then `make build` shows it."""
-    root, _ = built
+    root = built[0]
     cpu = (root / "environments" / "cpu.yaml").read_text()
     (root / "environments" / "laptop.yaml").write_text(
         cpu.replace("id: cpu", "id: laptop", 1).replace("title: Local CPU (default; laptops and CI)", "title: A laptop"))
@@ -288,8 +305,13 @@ def test_make_run_on_a_new_environment_becomes_a_new_column(built, tmp_path):
     assert [p.name.split("-")[2] for p in records] == ["decisions", "decisive", "flips", "scan"]
     assert json.loads(records[0].read_text())["parameters"]["decision_prompts"] == 2
     assert json.loads(records[2].read_text())["parameters"]["sweep_prompts"] == 3
+    # Stale: the chapters that read the new records or the new environment, and no other.
+    named, said = stale_chapters(root)
+    assert named == ["margins", "environments", "summary"], said
+    assert "new: results/measured/laptop-" in said
     result = make("build", root)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "[executing]  margins" in result.stdout and "[executing]  environments" in result.stdout
+    executed = re.findall(r"^\[executing\]  (\w+)", result.stdout, re.M)
+    assert executed == ["margins", "environments", "summary", "execution"], result.stdout[-3000:]  # execution: their copies
     for page in ("margins", "environments"):
         assert "laptop" in _text(root / "_build" / "html" / "generated" / f"{page}.html"), page

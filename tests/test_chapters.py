@@ -6,7 +6,7 @@ import nbformat
 import pytest
 
 from spectie.chapters import (CHAPTERS, content_hash, executed_path, get_chapter, is_stale, load_parameters,
-                              stored_hash)
+                              stale_reasons, stored_hash)
 from spectie.errors import UsageError
 
 
@@ -140,3 +140,69 @@ def test_a_chapter_is_not_stale_after_writing_its_own_records(project_copy):
     run.mkdir(parents=True, exist_ok=True)
     (run / "margins-laptop-decisive-z.json").write_text("{}")
     assert content_hash(chapter, {}) != after
+
+
+def _hashes(parameters=None) -> dict[str, str]:
+    return {name: content_hash(chapter, parameters or {}) for name, chapter in CHAPTERS.items()}
+
+
+def test_an_environment_file_is_an_input_only_of_the_chapters_that_read_it(project_copy):
+    """Editing an environment's `pending` text re-executes the chapters that show it: the appendix and the first
+    page (they show every environment), and the chapters whose records name it; no other."""
+    base = _hashes()
+    unrun = project_copy / "environments" / "v0.33.0-nvidia.yaml"  # named by no record
+    unrun.write_text(unrun.read_text() + "pending: edited\n")
+    assert {name for name, h in _hashes().items() if h != base[name]} == {"environments", "summary"}
+    gpu = project_copy / "environments" / "v0.26.0-h200.yaml"  # named by the H200's reproduce records
+    gpu.write_text(gpu.read_text() + "notes: edited\n")
+    changed = {name for name, h in _hashes().items() if h != base[name]}
+    assert changed == {"reproduce", "guidance", "environments", "summary"}
+    # A run in an environment reads that environment, whatever its records.
+    laptop = project_copy / "environments" / "laptop.yaml"
+    laptop.write_text((project_copy / "environments" / "cpu.yaml").read_text().replace("id: cpu", "id: laptop", 1))
+    margins = get_chapter("margins")
+    before = content_hash(margins, {"environment": "laptop"})
+    laptop.write_text(laptop.read_text() + "notes: edited\n")
+    assert content_hash(margins, {"environment": "laptop"}) != before
+
+
+def test_every_incident_environment_is_named_by_a_reported_record():
+    """What makes "named" environments enough: chapters read the incident's environments (their releases and
+    titles) through the reported records that name them."""
+    from spectie.environments import load_environments
+    from spectie.records import load_records
+
+    named = {e for r in load_records(provenance="reported") for e in r["environments"]}
+    incident = {e for e, env in load_environments().items() if env["named_in_incident"]}
+    assert incident and incident <= named
+
+
+def test_the_guidance_chapter_reads_the_margins_records_of_its_own_environment_only(project_copy):
+    guidance = get_chapter("guidance")
+    base = content_hash(guidance, {})
+    other = project_copy / "results" / "measured" / "laptop-0123456789ab" / "margins"
+    other.mkdir(parents=True)
+    (other / "margins-laptop-decisive-x.json").write_text("{}")
+    assert content_hash(guidance, {}) == base
+    mine = project_copy / "results" / "measured" / "cpu-0123456789ab" / "margins"
+    mine.mkdir(parents=True)
+    (mine / "margins-cpu-decisive-x.json").write_text("{}")
+    assert content_hash(guidance, {}) != base
+
+
+def test_stale_reasons_name_the_inputs_that_changed(project_copy):
+    chapter = CHAPTERS["incident"]
+    assert stale_reasons(chapter) == ["no executed copy yet"]
+    copy = executed_path(chapter)
+    copy.parent.mkdir(parents=True)
+    from spectie.chapters import input_digests
+
+    notebook = nbformat.v4.new_notebook()
+    notebook.metadata["spectie"] = {"content_hash": content_hash(chapter, {}), "inputs": input_digests(chapter, {})}
+    nbformat.write(notebook, copy)
+    assert stale_reasons(chapter) == []
+    record = project_copy / "results" / "reported" / "incident" / "b200-k7.json"
+    record.write_text(record.read_text() + "\n")
+    (project_copy / "results" / "reported" / "incident" / "new.json").write_text("{}")
+    assert stale_reasons(chapter) == ["changed: results/reported/incident/b200-k7.json",
+                                      "new: results/reported/incident/new.json"]

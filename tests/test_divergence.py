@@ -235,3 +235,18 @@ def test_the_confusion_matrix_counts_truth_against_verdict():
     table = divergence.confusion(rows)
     assert table.loc["near-tie", "near-tie"] == 1 and table.loc["near-tie", "bug"] == 0
     assert table.loc["bug", "near-tie"] == 1 and table.loc["bug", "bug"] == 2
+
+
+def test_a_shared_prompt_state_scores_as_one_forward_over_the_whole_sequence():
+    """The scorer computes each prompt once and continues from a copy of its state: the logits are those of one
+    teacher-forced forward over prompt and output (fp32, to rounding), for every output row."""
+    from spectie.model import load_model, reference_gdn_kernels, teacher_forced_logits
+
+    case = next(c for c in CASES if len(c["a"]) == 48)
+    path = resolve_model("organism")
+    shared = divergence.scorer(path).logits("float32", case["prompt_token_ids"], case["a"])
+    with reference_gdn_kernels():
+        whole = teacher_forced_logits(load_model(path, "float32"), case["prompt_token_ids"] + case["a"],
+                                      [len(case["prompt_token_ids"]) + i for i in range(48)])
+    assert shared.shape == whole.shape and float((shared - whole).abs().max()) < 1e-3
+    assert (shared.argmax(dim=1) == whole.argmax(dim=1)).all()

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The project's feedback times, measured in a fresh clone of this checkout (run it with nothing else on the
+# machine: the figures are wall-clock seconds). Prints a table against the targets:
+#   fresh clone: make setup && make test               target <= 600 s
+#   make build from clean (no executed copies)         target <= 480 s
+#   make test on a tree whose book is built and current target <= 240 s
+#   make build after editing one environment's text    target <= 60 s
+# Usage: scripts/time_pipeline.sh [CLONE_DIR]   (default /tmp/spectie-timings, replaced; logs in CLONE_DIR/_timings)
+set -euo pipefail
+source_tree=$(git rev-parse --show-toplevel)
+dir=${1:-/tmp/spectie-timings}
+rm -rf "$dir"
+git clone -q "$source_tree" "$dir"
+cd "$dir"
+mkdir -p _timings
+declare -A seconds status
+step() {  # step NAME COMMAND...: runs COMMAND, logs it to _timings/NAME.log, keeps its time and exit status
+  local name=$1; shift
+  local start=$(date +%s)
+  echo "time_pipeline: $name ..." >&2
+  if "$@" > "_timings/$name.log" 2>&1; then status[$name]=ok; else status[$name]="FAILED (see $dir/_timings/$name.log)"; fi
+  seconds[$name]=$(( $(date +%s) - start ))
+}
+step fresh bash -c 'make setup && make test'
+step clean-build bash -c 'make clean && make build'
+step built-test make test
+# One environment's `pending` text, the kind of edit a reader makes: only the pages that show it are redone.
+env_file=environments/v0.32.0-h200.yaml
+python3 - "$env_file" <<'PY'
+import sys
+path = sys.argv[1]
+lines = open(path).read().split("\n")
+at = next(i for i, line in enumerate(lines) if line.startswith("pending:"))
+while at + 1 < len(lines) and lines[at + 1].startswith("  "):
+    at += 1
+lines[at] += " (edited)"
+open(path, "w").write("\n".join(lines))
+PY
+step env-edit-build make build
+git checkout -q -- "$env_file"
+printf '\n%-52s %8s %8s  %s\n' "what" "seconds" "target" "status"
+row() { printf '%-52s %8s %8s  %s\n' "$1" "${seconds[$2]}" "$3" "${status[$2]}"; }
+row "fresh clone: make setup && make test" fresh 600
+row "make build from clean" clean-build 480
+row "make test, book built and current" built-test 240
+row "make build after editing one environment's pending" env-edit-build 60
+grep -h "^\[executing\]" _timings/env-edit-build.log | sed 's/^/  env-edit build: /' || true
