@@ -13,7 +13,7 @@ VLLM_CPU := $(shell [ "$$(uname -sm)" = "Linux x86_64" ] && ! command -v nvidia-
 HTML := _build/html
 BOOK_FLAGS := -W -n --keep-going
 
-.PHONY: help setup check-setup build test run bench venv list check clean organism
+.PHONY: help setup check-setup build test run bench venv list check stale clean organism
 
 help:
 	@echo "make setup   create $(VENV) with the pinned requirements (idempotent)"
@@ -91,7 +91,7 @@ run: check-setup
 bench: check-setup
 	$(PY) -m spectie.bench --env $(or $(ENV),cpu) $(if $(MODEL),--model $(MODEL)) $(if $(DEVICE),--device $(DEVICE))
 
-list check: check-setup
+list check stale: check-setup
 	$(PY) -m spectie $@
 
 # K=<expression> selects tests (pytest -k); a selection that matches nothing is said, not failed.

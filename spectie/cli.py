@@ -1,4 +1,8 @@
-"""Command line: `python -m spectie <command>` (the Makefile calls these)."""
+"""Command line: `python -m spectie <command>` (the Makefile calls these).
+
+Exit codes, for every command: 0 checked, nothing found; 1 a finding (tiestop: a stop flagged as a near-tie;
+classify: a suspected correctness bug); 2 bad input or usage (one line naming the file and where); 3 an
+internal error (a bug in spectie: its traceback, then one line)."""
 
 from __future__ import annotations
 
@@ -160,7 +164,7 @@ def _cmd_tiestop(args) -> int:
         unread = sum(v.unread for v in verdicts)
         print(f"{flagged} of {len(verdicts)} completion(s) flagged as near-tie stops"
               + (f"; {unread} stop(s) could not be read (their last token is not an end-of-text token)" if unread else ""))
-    return 1 if args.fail_on_flag and any(v.flagged for v in verdicts) else 0
+    return FINDING if any(v.flagged for v in verdicts) else CHECKED
 
 
 def _cmd_classify(args) -> int:
@@ -186,7 +190,7 @@ def _cmd_classify(args) -> int:
             print(f"  fp32 margin {result.reference_margin:+.4f}, bf16 margin {result.serving_margin:+.4f}, "
                   f"fp32 ranks {result.rank_a} and {result.rank_b} (its top-1: {result.reference_top1!r}); "
                   f"threshold {result.threshold:.3f} ({result.threshold_origin})")
-    return 1 if args.fail_on_bug and result.verdict == divergence.SUSPECTED_BUG else 0
+    return FINDING if result.verdict == divergence.SUSPECTED_BUG else CHECKED
 
 
 def _cmd_fixes(args) -> int:
@@ -194,8 +198,11 @@ def _cmd_fixes(args) -> int:
 
     from spectie import fixes
 
-    record = fixes.ensure_record()
-    version, distribution = (args.vllm, "vllm") if args.vllm else fixes.installed_version()
+    record = fixes.ledger_record()  # read from the committed ledger; a query writes nothing
+    if args.vllm is not None:
+        version, distribution = fixes.release_of(args.vllm), "vllm"  # an empty or malformed version is refused
+    else:
+        version, distribution = fixes.installed_version()
     if not version:
         raise UsageError("no vLLM is installed here: give the version to check with --vllm X.Y.Z")
     rows = fixes.fixes_for(record, version)
@@ -213,6 +220,11 @@ def _cmd_fixes(args) -> int:
     return 0
 
 
+CHECKED, FINDING, BAD_INPUT, INTERNAL_ERROR = 0, 1, 2, 3
+EXIT_CODES = ("exit codes: 0 checked, nothing found; 1 a finding (a flagged stop, a suspected bug); 2 bad input or "
+              "usage; 3 internal error")
+
+
 def _key_value(text: str) -> tuple[str, object]:
     import yaml
 
@@ -223,7 +235,8 @@ def _key_value(text: str) -> tuple[str, object]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="spectie", description=__doc__)
+    parser = argparse.ArgumentParser(prog="spectie", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("build", help="execute every stale chapter into book/generated/")
@@ -256,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--results-dir", default=None, help="folder of records (default results/)")
     p.set_defaults(func=_cmd_check)
 
-    p = sub.add_parser("tiestop", help="flag completions whose stop token won by less than the noise band",
+    p = sub.add_parser("tiestop", epilog=EXIT_CODES, help="flag completions whose stop token won by less than the noise band",
                        description="Flag completions (JSONL of OpenAI-compatible responses from vllm serve, "
                                    "requested with top-2 logprobs) whose stop token won by a margin inside the "
                                    "bf16 noise band: a near-tie stop that another computation shape could flip.")
@@ -270,10 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="organism, a model folder or a hub id: its end-of-text tokens are the only stop "
                                    "tokens read, and (without --threshold) its recorded noise band is the threshold")
     p.add_argument("--json", action="store_true", help="one JSON verdict per line")
-    p.add_argument("--fail-on-flag", action="store_true", help="exit 1 when any completion is flagged")
     p.set_defaults(func=_cmd_tiestop)
 
-    p = sub.add_parser("classify", help="is the first divergence of two greedy outputs a near-tie or a bug?",
+    p = sub.add_parser("classify", epilog=EXIT_CODES, help="is the first divergence of two greedy outputs a near-tie or a bug?",
                        description="Find the first divergence of two token sequences generated from one prompt and "
                                    "classify it with the fp32 reference: numerical near-tie (inside the noise band) "
                                    "or suspected correctness bug.")
@@ -285,10 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threshold", type=float, help="noise band in logits (default: recorded band of the nearest size)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="the verdict as one JSON object")
-    p.add_argument("--fail-on-bug", action="store_true", help="exit 1 on a suspected correctness bug")
     p.set_defaults(func=_cmd_classify)
 
-    p = sub.add_parser("fixes", help="which public fixes a vLLM release carries (the fix ledger)",
+    p = sub.add_parser("fixes", epilog=EXIT_CODES, help="which public fixes a vLLM release carries (the fix ledger)",
                        description="Which public fixes for GDN state and speculative-decoding failures a vLLM release "
                                    "carries, as read from the released wheels' source (sources/fix_ledger.md).")
     p.add_argument("--vllm", help="a vLLM version (default: the one installed here)")
@@ -301,9 +312,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # a usage error exits 2 (argparse)
     try:
         return args.func(args)
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return BAD_INPUT
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # a bug, not bad input: say so, with what a report needs
+        import traceback
+
+        traceback.print_exc()
+        print(f"internal error: {type(exc).__name__}: {exc} (a bug in spectie; please report it with the traceback)",
+              file=sys.stderr)
+        return INTERNAL_ERROR

@@ -305,7 +305,21 @@ def read_pair(path: str | Path) -> dict:
     if missing:
         raise UsageError(f"{path}: missing {', '.join(missing)} (expected prompt_token_ids, a, b: lists of token ids, "
                          "or a and b as responses of vllm serve requested with \"return_token_ids\": true)")
+    for key in ("prompt_token_ids", "a", "b"):
+        check_token_list(data[key], f"{path}: {key}")
+    if data.get("model") is not None and not isinstance(data["model"], str):
+        raise UsageError(f"{path}: model must be a name or a folder (text), got {type(data['model']).__name__}")
     return data
+
+
+def check_token_list(ids, where: str) -> list[int]:
+    """A list of token ids as given (before any model is read): integers >= 0, at least one."""
+    if not isinstance(ids, list) or not ids:
+        raise UsageError(f"{where}: expected a non-empty list of token ids")
+    bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or i < 0]
+    if bad:
+        raise UsageError(f"{where}: expected token ids (integers >= 0), found {json.dumps(bad[0])[:40]}")
+    return ids
 
 
 def openai_token_ids(response: dict, name: str) -> tuple[list[int] | None, list[int]]:
@@ -316,6 +330,8 @@ def openai_token_ids(response: dict, name: str) -> tuple[list[int] | None, list[
     if not isinstance(choices, list) or len(choices) != 1:
         raise UsageError(f"{name}: expected an OpenAI-compatible response with one choice")
     [choice] = choices
+    if not isinstance(choice, dict):
+        raise UsageError(f"{name}: its choice is not an object")
     ids = choice.get("token_ids")
     if ids is None:
         raise UsageError(f"{name}: the response carries text but no token ids, so the token where the two outputs "
@@ -395,11 +411,17 @@ def pair_from_records(record: dict, baseline: dict, repeat: int = 0) -> dict:
     """The classifier's input from two reproduction records (`engine-outcome`) of one matrix run: the
     prompt, one repeat of `record` as a, the same repeat of its baseline as b."""
     for r in (record, baseline):
-        if r.get("kind") != "engine-outcome" or "prompt_token_ids" not in r["parameters"]:
-            raise UsageError(f"record {r.get('id')!r} is not a reproduction record with its prompt "
+        parameters, results = r.get("parameters"), r.get("results")
+        if r.get("kind") != "engine-outcome" or not isinstance(parameters, dict) or "prompt_token_ids" not in parameters \
+                or not isinstance(results, dict) or not isinstance(results.get("repeats"), list):
+            raise UsageError(f"record {r.get('id')!r} is not a reproduction record with its prompt and repeats "
                              "(records from before prompts were recorded cannot be classified)")
-        if len(r["results"]["repeats"]) <= repeat:
-            raise UsageError(f"record {r['id']!r} has no repeat {repeat} (status {r['results']['status']})")
+        if not 0 <= repeat < len(results["repeats"]):
+            raise UsageError(f"record {r['id']!r} has no repeat {repeat} (status {results.get('status')!r})")
+        check_token_list(parameters["prompt_token_ids"], f"record {r['id']!r}: parameters.prompt_token_ids")
+        chosen = results["repeats"][repeat]
+        check_token_list(chosen.get("token_ids") if isinstance(chosen, dict) else None,
+                         f"record {r['id']!r}: results.repeats[{repeat}].token_ids")
     if record["parameters"]["prompt_token_ids"] != baseline["parameters"]["prompt_token_ids"]:
         raise UsageError(f"records {record['id']!r} and {baseline['id']!r} were run on different prompts")
     return {"prompt_token_ids": record["parameters"]["prompt_token_ids"], "model": record["parameters"]["model"],
@@ -414,7 +436,9 @@ def baseline_record(record_path: str | Path) -> dict:
 
     record_path = Path(record_path)
     record = read_record(record_path)
-    name = record["parameters"].get("baseline")
+    name = record["parameters"].get("baseline") if isinstance(record.get("parameters"), dict) else None
+    if not isinstance(name, str):
+        raise UsageError(f"{record_path}: names no baseline configuration (parameters.baseline)")
     for path in sorted(record_path.parent.glob("*.json")):
         other = read_record(path)
         same_run = all(other["parameters"].get(key, 0) == record["parameters"].get(key, 0)

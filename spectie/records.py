@@ -121,9 +121,11 @@ def measured_path(record: dict, results_dir: str | os.PathLike | None = None) ->
 def read_record(path: str | os.PathLike) -> dict:
     """Read and validate one record; a broken file raises RecordError naming it and the field."""
     path = Path(path)
+    if not path.is_file():
+        raise RecordError(str(path), "(file)", "no such file")
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise RecordError(str(path), "(file)", f"not valid JSON: {exc}") from None
     return validate_record(record, where=str(path))
 

@@ -178,43 +178,124 @@ def _vllm_token(token_id: int, logprob) -> str:
     return f"{logprob.decoded_token!s}#{token_id}" if logprob.decoded_token is not None else f"#{token_id}"
 
 
+def _number(value, where: str) -> float:
+    """A logprob as given: a JSON number (not a boolean, not text)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise UsageError(f"{where}: expected a number, got {_shown(value)}")
+    return float(value)
+
+
+def _text(value, where: str) -> str:
+    if not isinstance(value, str):
+        raise UsageError(f"{where}: expected a token (text), got {_shown(value)}")
+    return value
+
+
+def _mapping(value, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise UsageError(f"{where}: expected an object, got {_shown(value)}")
+    return value
+
+
+def _listing(value, where: str) -> list:
+    if not isinstance(value, list):
+        raise UsageError(f"{where}: expected a list, got {_shown(value)}")
+    return value
+
+
+def _shown(value) -> str:
+    """A value as a message quotes it: its JSON type and the start of its text."""
+    text = json.dumps(value, default=str)
+    return f"{type(value).__name__} {text[:40]}{'…' if len(text) > 40 else ''}"
+
+
+def _chat_steps(content: list, where: str) -> list[Step]:
+    steps = []
+    for i, entry in enumerate(_listing(content, f"{where}.content")):
+        at = f"{where}.content[{i}]"
+        entry = _mapping(entry, at)
+        top = {}
+        for j, alt in enumerate(_listing(entry.get("top_logprobs") or [], f"{at}.top_logprobs")):
+            alt = _mapping(alt, f"{at}.top_logprobs[{j}]")
+            top[_text(alt.get("token"), f"{at}.top_logprobs[{j}].token")] = \
+                _number(alt.get("logprob"), f"{at}.top_logprobs[{j}].logprob")
+        steps.append(Step(_text(entry.get("token"), f"{at}.token"), _number(entry.get("logprob"), f"{at}.logprob"), top))
+    return steps
+
+
+def _completion_steps(logprobs: dict, where: str) -> list[Step]:
+    for key in ("tokens", "token_logprobs"):
+        if key not in logprobs:
+            raise UsageError(f"{where}: completion logprobs without '{key}'")
+    tokens = _listing(logprobs["tokens"], f"{where}.tokens")
+    values = _listing(logprobs["token_logprobs"], f"{where}.token_logprobs")
+    tops = _listing(logprobs.get("top_logprobs") or [], f"{where}.top_logprobs")
+    if len(values) != len(tokens) or (tops and len(tops) != len(tokens)):
+        raise UsageError(f"{where}: {len(tokens)} tokens but {len(values)} token_logprobs and {len(tops)} top_logprobs")
+    steps = []
+    for i, token in enumerate(tokens):
+        top = _mapping(tops[i] if tops and tops[i] is not None else {}, f"{where}.top_logprobs[{i}]")
+        steps.append(Step(_text(token, f"{where}.tokens[{i}]"), _number(values[i], f"{where}.token_logprobs[{i}]"),
+                          {_text(k, f"{where}.top_logprobs[{i}] key"): _number(v, f"{where}.top_logprobs[{i}][{k!r}]")
+                           for k, v in top.items()}))
+    return steps
+
+
 def from_openai(response: dict, request: str = "") -> list[Completion]:
-    """The choices of an OpenAI-compatible completion or chat completion response (a parsed JSON object)."""
+    """The choices of an OpenAI-compatible completion or chat completion response (a parsed JSON object).
+    Anything else (a missing field, a field of the wrong type) is bad input: a UsageError naming where."""
+    where = f"response {request}".strip()
     if not isinstance(response, dict) or "choices" not in response:
-        raise UsageError(f"response {request or response.get('id', '')}: not an OpenAI-compatible response "
-                         "(no 'choices')")
+        raise UsageError(f"{where}: not an OpenAI-compatible response (an object with 'choices')")
     completions = []
-    for choice in response["choices"]:
-        name = f"{request or response.get('id', '')}/{choice.get('index', len(completions))}"
+    for index, choice in enumerate(_listing(response["choices"], f"{where}: choices")):
+        at = f"{where}: choices[{index}]"
+        choice = _mapping(choice, at)
+        name = f"{request or response.get('id', '')}/{choice.get('index', index)}"
         logprobs = choice.get("logprobs")
         if logprobs is None:
             steps = []
-        elif "content" in logprobs:  # chat completion
-            steps = [Step(entry["token"], entry["logprob"],
-                          {alt["token"]: alt["logprob"] for alt in entry.get("top_logprobs") or []})
-                     for entry in logprobs["content"] or []]
+        elif "content" in _mapping(logprobs, f"{at}.logprobs"):  # chat completion
+            steps = _chat_steps(logprobs["content"] or [], f"{at}.logprobs")
         else:  # completion
-            steps = [Step(token, lp, dict(top or {})) for token, lp, top in
-                     zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs.get("top_logprobs") or [])]
+            steps = _completion_steps(logprobs, f"{at}.logprobs")
+        finish = choice.get("finish_reason")
+        if finish is not None and not isinstance(finish, str):
+            raise UsageError(f"{at}.finish_reason: expected text or null, got {_shown(finish)}")
         source = "openai chat completion" if "message" in choice else "openai completion"
-        completions.append(Completion(steps, choice.get("finish_reason"), source, name, choice.get("stop_reason")))
+        completions.append(Completion(steps, finish, source, name, choice.get("stop_reason")))
     return completions
 
 
 def read_jsonl(path: str | Path) -> list[Completion]:
-    """Every completion of a JSONL file of OpenAI-compatible responses (one JSON object per line)."""
+    """Every completion of a JSONL file of OpenAI-compatible responses (one JSON object per line). A file that
+    holds none is bad input, not a pass: an empty or truncated log must not pass a gate."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"no such file: {path}")
     completions = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise UsageError(f"{path}: not UTF-8 text") from None
+    for number, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
                 response = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UsageError(f"{path}:{number}: not JSON ({exc.msg})") from None
+            except (json.JSONDecodeError, RecursionError) as exc:
+                raise UsageError(f"{path}:{number}: not JSON ({getattr(exc, 'msg', 'nested too deeply')})") from None
             completions += from_openai(response, f"{path.name}:{number}")
+    if not completions:
+        raise UsageError(f"{path}: no completions in it (an empty or truncated log is not a pass)")
     return completions
+
+
+def _token_ids(value, where: str) -> list[int]:
+    ids = _listing(value, where)
+    for i, token in enumerate(ids):
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise UsageError(f"{where}[{i}]: expected a token id (an integer >= 0), got {_shown(token)}")
+    return ids
 
 
 def from_record(record: dict) -> list[Completion]:
@@ -225,14 +306,28 @@ def from_record(record: dict) -> list[Completion]:
         name = record.get("id") if isinstance(record, dict) else None
         raise UsageError(f"record {name!r}: not a reproduction record (kind engine-outcome, with repeats)")
     completions = []
-    for number, repeat in enumerate(results["repeats"], 1):
+    for number, repeat in enumerate(_listing(results["repeats"], f"record {record.get('id')!r}: results.repeats"), 1):
+        where = f"record {record.get('id')!r}: results.repeats[{number - 1}]"
+        repeat = _mapping(repeat, where)
+        ids = _token_ids(repeat.get("token_ids"), f"{where}.token_ids")
+        margins = _listing(repeat.get("top2_margins") or [], f"{where}.top2_margins")
+        margins = [None if m is None else _number(m, f"{where}.top2_margins[{i}]") for i, m in enumerate(margins)]
         steps = [Step(f"#{token}", 0.0, {f"#{token}": 0.0} if margin is None else {f"#{token}": 0.0, "runner-up": -margin})
-                 for token, margin in zip(repeat["token_ids"], repeat.get("top2_margins") or [])]
+                 for token, margin in zip(ids, margins)]
         stop = repeat.get("stop_margin")
         if stop and steps:
-            steps[-1] = Step(stop["stop_token"], 0.0, {stop["stop_token"]: 0.0, stop["runner_up"]: -stop["margin"]})
-        completions.append(Completion(steps, repeat["finish_reason"], "reproduction record",
-                                      f"{record['id']} repeat {number}", repeat.get("stop_reason")))
+            stop = _mapping(stop, f"{where}.stop_margin")
+            token = _text(stop.get("stop_token"), f"{where}.stop_margin.stop_token")
+            other = _text(stop.get("runner_up"), f"{where}.stop_margin.runner_up")
+            steps[-1] = Step(token, 0.0, {token: 0.0, other: -_number(stop.get("margin"), f"{where}.stop_margin.margin")})
+        finish = repeat.get("finish_reason")
+        if finish is not None and not isinstance(finish, str):
+            raise UsageError(f"{where}.finish_reason: expected text or null, got {_shown(finish)}")
+        completions.append(Completion(steps, finish, "reproduction record", f"{record['id']} repeat {number}",
+                                      repeat.get("stop_reason")))
+    if not completions:
+        raise UsageError(f"record {record.get('id')!r}: no repeats to check (status "
+                         f"{results.get('status')!r}: the configuration wrote nothing)")
     return completions
 
 

@@ -143,10 +143,10 @@ def test_the_command_line_reads_jsonl_and_says_what_it_flagged(tmp_path):
     run = lambda *args: subprocess.run([sys.executable, "-m", "spectie", "tiestop", *args], cwd=ROOT,
                                        capture_output=True, text=True)
     result = run(str(path), "--threshold", "0.5")
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 1, result.stderr  # a finding
     assert "FLAGGED  responses.jsonl:1/0 at output token 3" in result.stdout
     assert "1 of 2 completion(s) flagged" in result.stdout
-    assert run(str(path), "--threshold", "0.5", "--fail-on-flag").returncode == 1
+    assert run(str(path), "--threshold", "0.1").returncode == 0  # nothing inside a narrower band
     verdicts = [json.loads(line) for line in run(str(path), "--json", "--threshold", "0.5").stdout.splitlines()]
     assert [v["flagged"] for v in verdicts] == [True, False]
     broken = tmp_path / "broken.jsonl"
@@ -277,7 +277,7 @@ def test_the_threshold_is_at_least_one_bf16_step_at_the_recorded_logits():
 def test_the_command_line_flags_the_gpu_stop_of_a_reproduction_record():
     """MTP K=1 on prompt seed 1 through CUDA vLLM 0.26.0 (H200): the end-of-text stop won by one bf16 step."""
     [path] = (ROOT / "results" / "measured").glob("v0.26.0-h200-*/reproduce/reproduce-v0.26.0-h200-incident-mtp-v1-k1-s1-*.json")
-    result = subprocess.run([sys.executable, "-m", "spectie", "tiestop", "--record", str(path), "--fail-on-flag"],
+    result = subprocess.run([sys.executable, "-m", "spectie", "tiestop", "--record", str(path)],
                             cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 1, result.stderr
     assert result.stdout.startswith("threshold 0.125 logits (one bf16 step at the logits recorded for these weights")
