@@ -55,17 +55,39 @@ def host_id() -> str:
     return hashlib.sha256(seed.encode()).hexdigest()[:12]
 
 
+LAST_GPU_PROBE_FAILURE: list[str] = []  # why nvidia-smi failed on a host without /dev/nvidia* (said by host.check)
+
+
+def nvidia_smi(*arguments: str) -> str:
+    """nvidia-smi's output; "" on a host without NVIDIA GPUs (no nvidia-smi, or one that fails where no
+    /dev/nvidia* device exists). Where NVIDIA devices exist, a missing or failing nvidia-smi is an error naming the
+    command and its stderr: which GPU this is cannot be known, and "no GPU" would be a wrong fact."""
+    import glob
+
+    from spectie.errors import UsageError
+
+    command = ["nvidia-smi", *arguments]
+    devices = glob.glob("/dev/nvidia[0-9]*")
+    if not shutil.which("nvidia-smi"):
+        if devices:
+            raise UsageError(f"{len(devices)} NVIDIA device(s) in /dev ({devices[0]}, ...) but no nvidia-smi on the "
+                             "PATH: which GPU this is cannot be read")
+        return ""
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=60, check=True).stdout
+    except subprocess.CalledProcessError as exc:
+        why = f"`{' '.join(command)}` failed with exit code {exc.returncode}: {(exc.stderr or exc.stdout).strip()[:300]}"
+    except (OSError, subprocess.SubprocessError) as exc:
+        why = f"`{' '.join(command)}` failed: {exc}"
+    if devices:
+        raise UsageError(f"{why} (this host has NVIDIA devices: {devices[0]}, ...)")
+    LAST_GPU_PROBE_FAILURE[:] = [why]
+    return ""
+
+
 def _gpu_rows() -> list[list[str]]:
     """name, driver version and UUID of each NVIDIA GPU (nvidia-smi), none on a host without one."""
-    if not shutil.which("nvidia-smi"):
-        return []
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,driver_version,uuid", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=30, check=True,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
+    out = nvidia_smi("--query-gpu=name,driver_version,uuid", "--format=csv,noheader")
     return [[part.strip() for part in line.split(",")] for line in out.strip().splitlines() if line.strip()]
 
 

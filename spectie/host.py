@@ -12,8 +12,6 @@ check is strict: `check(..., strict=True)`, which `make run` asks for with SPECT
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from dataclasses import dataclass
 
 from spectie.errors import UsageError
@@ -33,14 +31,10 @@ class Gpu:
 
 
 def gpus() -> list[Gpu]:
-    """The NVIDIA GPUs nvidia-smi reports (none when it is missing or fails)."""
-    if shutil.which("nvidia-smi") is None:
-        return []
-    query = ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,memory.free", "--format=csv,noheader,nounits"]
-    try:
-        out = subprocess.run(query, capture_output=True, text=True, timeout=60, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
+    """The NVIDIA GPUs nvidia-smi reports (none on a host without NVIDIA devices; see fingerprint.nvidia_smi)."""
+    from spectie.fingerprint import nvidia_smi
+
+    out = nvidia_smi("--query-gpu=name,driver_version,memory.total,memory.free", "--format=csv,noheader,nounits")
     found = []
     for line in out.strip().splitlines():
         name, driver, total, free = (part.strip() for part in line.split(","))
@@ -82,8 +76,11 @@ def check(chapter: str, environment: dict, parameters: dict, *, strict: bool = F
     else:
         lines.append("GPU: none (nvidia-smi reports no NVIDIA GPU)")
     if expected and not found:
-        problems.append(f"environment {env_id!r} is a {expected} host, but this host has no NVIDIA GPU; "
-                        "run with ENV=cpu, or on the host the environment describes")
+        from spectie.fingerprint import LAST_GPU_PROBE_FAILURE
+
+        problems.append(f"environment {env_id!r} is a {expected} host, but this host has no NVIDIA GPU"
+                        + (f" ({LAST_GPU_PROBE_FAILURE[0]})" if LAST_GPU_PROBE_FAILURE else "")
+                        + "; run with ENV=cpu, or on the host the environment describes")
     elif expected and expected.lower() not in found[0].name.lower():
         problems.append(f"environment {env_id!r} is a {expected} host, but this host's GPU is {found[0].name}; "
                         "give the environment of this host, or describe it in a new environments/<id>.yaml")

@@ -49,8 +49,14 @@ def measured_label(parameters: dict) -> str:
     return label
 
 
-def acceptance(repeats: list[dict]) -> float | None:
-    """Share of drafted tokens that the target model accepted, over all repeats (None without drafts)."""
+UNKNOWN = "unknown"
+
+
+def acceptance(repeats: list[dict]) -> float | str | None:
+    """Share of drafted tokens that the target model accepted, over all repeats (None without drafts; UNKNOWN when
+    vLLM's metrics could not be read for a repeat)."""
+    if any("unreadable" in (r.get("speculation") or {}) for r in repeats):
+        return UNKNOWN
     drafted = sum(r["speculation"].get("num_draft_tokens", 0) for r in repeats)
     accepted = sum(r["speculation"].get("num_accepted_tokens", 0) for r in repeats)
     return accepted / drafted if drafted else None
@@ -85,7 +91,7 @@ def runs_table(records: list[dict]) -> pd.DataFrame:
                                                                            p["configuration"] == p["baseline"]
                                                                            else "—"),
             "first divergence (output token)": 1 + min(divergences) if divergences else "—",
-            "draft acceptance": f"{rate:.0%}" if rate is not None else "—",
+            "draft acceptance": rate if rate == UNKNOWN else f"{rate:.0%}" if rate is not None else "—",
             "error": (res.get("error") or {}).get("type", ""),
             "record": r["id"],
         })

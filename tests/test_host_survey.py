@@ -238,3 +238,23 @@ def test_real_survey_through_vllm_cpu(tmp_path):
     counts = survey.tally(record, threshold=0.129)
     assert counts["completions"] == 8 and counts["stops"] == counts["ordinary_stops"] + counts["moved_stops"]
     assert len(list(tmp_path.glob("measured/cpu-*/guidance/tiestop-survey-cpu-*.json"))) == 1
+
+
+def test_a_failing_nvidia_smi_is_an_error_where_nvidia_devices_exist(tmp_path, monkeypatch):
+    """Not "no GPU" (then the CPU's noise band would serve a GPU host): the command and its stderr are said."""
+    from spectie import fingerprint
+
+    script = tmp_path / "nvidia-smi"
+    script.write_text("#!/bin/sh\necho 'Failed to initialize NVML: Driver/library version mismatch' >&2\nexit 18\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr("glob.glob", lambda pattern: ["/dev/nvidia0"] if pattern.startswith("/dev/nvidia") else [])
+    with pytest.raises(UsageError, match="nvidia-smi --query-gpu.* failed with exit code 18: Failed to initialize NVML"):
+        host.gpus()
+    with pytest.raises(UsageError, match="exit code 18"):
+        fingerprint.device_name()
+    # Without NVIDIA devices the host has no GPU, and a GPU environment's check says why nvidia-smi found none.
+    monkeypatch.setattr("glob.glob", lambda pattern: [])
+    assert host.gpus() == []
+    with pytest.raises(UsageError, match="has no NVIDIA GPU .`nvidia-smi .* exit code 18: Failed to initialize NVML"):
+        host.check("reproduce", get_environment("v0.32.0-h100"), {})

@@ -612,3 +612,34 @@ def test_a_measured_run_of_a_release_the_incident_names_sits_under_its_reported_
     others = [r for r in reported if "v0.32.0-rtx4090" not in r["environments"]]
     assert list(side_by_side(others, measured)["record"])[len(others):] == [
         "cpu-plain", "v0.26.0-h200-plain", "v0.32.0-h200-plain", "v0.32.0-h200-mtp-v2-k1"]
+
+
+def test_failed_probes_are_said_not_turned_into_facts():
+    """Unreadable metrics are unknown, not "no drafts"; an unreadable method list stops the matrix check; from
+    vLLM 0.34.0 on (no V1 runner) engines are V2 and V1 configurations are refused before any engine."""
+    from spectie.engines import child
+    from spectie.engines.matrix import read_matrix
+    from spectie.reproduce import acceptance
+
+    class Broken:
+        def get_metrics(self):
+            raise RuntimeError("no stat logger")
+
+    unknown = child.spec_counters(Broken())
+    assert unknown == {"unreadable": "RuntimeError: no stat logger"}
+    assert child.difference(unknown, {"num_drafts": 1}) == unknown
+    assert acceptance([{"speculation": {"num_draft_tokens": 4, "num_accepted_tokens": 2}}, {"speculation": unknown}]) \
+        == "unknown"
+    assert acceptance([{"speculation": {"num_draft_tokens": 4, "num_accepted_tokens": 2}}]) == 0.5
+    assert [child.model_runner(v, None) for v in ("0.32.0", "0.34.0", "0.34.1+cu130")] == ["V1", "V2", "V2"]
+    assert child.model_runner("0.34.0", False) == "V1"  # a config that says so is believed
+    matrix = read_matrix("incident")
+    arguments = sorted({a for c in matrix.configs for a in runner.engine_kwargs(c, matrix, "model", None)})
+    probe = dict(PROBE, engine_args=arguments)
+    runner.check_matrix(matrix, probe)  # the fake vLLM has all it needs
+    with pytest.raises(UsageError, match="could not be read .ImportError: x."):
+        runner.check_matrix(matrix, dict(probe, speculative_methods=None, speculative_methods_error="ImportError: x"))
+    with pytest.raises(UsageError, match="'ngram_gpu-k1' asks for the V1 model runner, which vLLM 0.34.0 no longer"):
+        runner.check_matrix(matrix, dict(probe, vllm_version="0.34.0"))
+    v2 = matrix.select([c.id for c in matrix.configs if c.model_runner != "V1"])
+    runner.check_matrix(v2, dict(probe, vllm_version="0.34.0"))

@@ -35,6 +35,24 @@ def token_hash(token_ids) -> str:
     return hashlib.sha256(json.dumps(list(token_ids)).encode()).hexdigest()[:16]
 
 
+V2_ONLY_FROM = (0, 34)  # vLLM 0.34.0 has no V1 model runner left: every engine runs the V2 one
+
+
+def release_key(version: str) -> tuple[int, ...]:
+    """(major, minor) of a vLLM version string ('0.34.0+cu130' -> (0, 34)); () when it names none."""
+    import re
+
+    match = re.match(r"^(\d+)\.(\d+)", version or "")
+    return (int(match[1]), int(match[2])) if match else ()
+
+
+def model_runner(version: str, use_v2) -> str:
+    """The model runner an engine used: its config's flag where it has one, else V2 from vLLM 0.34.0 on."""
+    if use_v2 is not None:
+        return "V2" if use_v2 else "V1"
+    return "V2" if release_key(version) >= V2_ONLY_FROM else "V1"
+
+
 def probe() -> dict:
     """What the installed vLLM offers: version, platform, engine argument names, speculative methods."""
     import dataclasses
@@ -47,7 +65,7 @@ def probe() -> dict:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
 
-    methods = []
+    methods, methods_error = None, None
     try:
         from vllm.config.speculative import SpeculativeMethod
 
@@ -56,8 +74,8 @@ def probe() -> dict:
             return [a for arg in args for a in (flatten(arg) if typing.get_args(arg) else [arg])]
 
         methods = sorted({m for m in flatten(SpeculativeMethod) if isinstance(m, str)})
-    except Exception:  # older vLLM: no such type; the engine will say
-        pass
+    except Exception as exc:  # the matrix check stops on it (runner.check_matrix): it says, not guesses
+        methods_error = f"{type(exc).__name__}: {exc}"
     try:  # the commit a wheel was built from (None for some release builds)
         from vllm._version import commit_id
     except Exception:
@@ -66,11 +84,12 @@ def probe() -> dict:
             "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
             "python": platform.python_version(),
             "engine_args": sorted(f.name for f in dataclasses.fields(EngineArgs)),
-            "speculative_methods": methods}
+            "speculative_methods": methods, "speculative_methods_error": methods_error}
 
 
 def spec_counters(llm) -> dict:
-    """vLLM's speculative-decoding counters so far (empty without speculation or without stats)."""
+    """vLLM's speculative-decoding counters so far (empty without speculation or without stats); metrics that
+    cannot be read are recorded as unknown ({"unreadable": why}), never as "no drafts"."""
     counters = {}
     try:
         for metric in llm.get_metrics():
@@ -78,12 +97,15 @@ def spec_counters(llm) -> dict:
                 counters[metric.name.removeprefix("vllm:spec_decode_")] = int(metric.value)
             elif metric.name == PER_POSITION:
                 counters["accepted_per_position"] = [int(v) for v in metric.values]
-    except Exception:  # metrics are optional evidence; a vLLM without them still runs the matrix
-        pass
+    except Exception as exc:  # metrics are evidence, not needed to run the matrix: the run goes on, saying so
+        return {"unreadable": f"{type(exc).__name__}: {exc}"[:300]}
     return counters
 
 
 def difference(after: dict, before: dict) -> dict:
+    """The counters of one batch (after - before); unknown if either reading was unreadable."""
+    if "unreadable" in after or "unreadable" in before:
+        return {"unreadable": after.get("unreadable") or before.get("unreadable")}
     out = {}
     for key, value in after.items():
         if isinstance(value, list):
@@ -122,7 +144,7 @@ def run(request: dict) -> None:
         llm = LLM(**request["llm_kwargs"])
         config = llm.llm_engine.vllm_config
         emit("engine_ready", seconds=round(time.monotonic() - started, 2),
-             model_runner="V2" if getattr(config, "use_v2_model_runner", False) else "V1",
+             model_runner=model_runner(vllm.__version__, getattr(config, "use_v2_model_runner", None)),
              platform=str(config.device_config.device_type) if config.device_config else None)
         phase = "generate"
         tokenizer = llm.get_tokenizer()

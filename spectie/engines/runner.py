@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from spectie.engines.child import MARKER
+from spectie.engines.child import MARKER, V2_ONLY_FROM, release_key
 from spectie.errors import UsageError
 from spectie.engines.matrix import EXPECTED_STATUSES, EngineConfig, Matrix
 from spectie.paths import project_root
@@ -88,10 +88,18 @@ def check_matrix(matrix: Matrix, probe: dict, extra_engine: dict | None = None) 
             raise UsageError(f"configuration {config.id!r}: engine argument(s) {', '.join(missing)} are not "
                              f"accepted by the installed vLLM {version} (it lacks them); remove them from "
                              f"{matrix.path} or use an environment with a vLLM that has them")
-        methods = probe.get("speculative_methods") or []
-        if config.method != "none" and methods and config.method not in methods:
+        methods = probe.get("speculative_methods")
+        if config.method != "none" and methods is None:
+            raise UsageError(f"configuration {config.id!r}: the speculative methods of the installed vLLM {version} "
+                             f"could not be read ({probe.get('speculative_methods_error') or 'no list in its probe'}), "
+                             "so the matrix cannot be checked against them")
+        if config.method != "none" and config.method not in methods:
             raise UsageError(f"configuration {config.id!r}: vLLM {version} has no speculative method "
                              f"{config.method!r}; it has: {', '.join(methods)}")
+        if config.model_runner == "V1" and release_key(version) >= V2_ONLY_FROM:
+            raise UsageError(f"configuration {config.id!r} asks for the V1 model runner, which vLLM {version} no "
+                             f"longer has (only V2 from {'.'.join(map(str, V2_ONLY_FROM))}.0 on): leave it out "
+                             "(configurations=[...]) or use an environment with an older vLLM")
     check_shared_gpu(matrix.parallel, probe["platform"], extra_engine or {})
 
 
