@@ -108,7 +108,7 @@ def device_name() -> str:
 
 
 ENTRY_VARIABLE = "SPECTIE_ENTRY"  # set by `spectie run` / `spectie build` for the notebooks they execute
-COMMIT_VARIABLE = "SPECTIE_SOURCE_COMMIT"  # the commit of a copy of the tree without .git (a carried checkout)
+COMMIT_VARIABLE = "SPECTIE_SOURCE_COMMIT"  # the commit of a copy of the tree without .git (a checkout copied to another host)
 
 
 def entry_point() -> str:
@@ -144,7 +144,7 @@ def source_revision() -> dict:
 
     stated = os.environ.get(COMMIT_VARIABLE)
     commit = git("rev-parse", "HEAD") if (root / ".git").exists() else None
-    if stated and stated != commit:  # a copy of a tree whose .git is absent or not its own (a carried checkout)
+    if stated and stated != commit:  # a copy of a tree whose .git is absent or not its own (a checkout copied to another host)
         return {"commit": stated, "dirty": None}
     if commit is None:
         return {"commit": None, "dirty": None}
