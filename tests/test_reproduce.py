@@ -663,7 +663,7 @@ def test_make_run_killed_mid_matrix_resumes_and_writes_each_record_once(tmp_path
         for path in old.glob("*.json"):
             path.unlink()
     params = tmp_path / "small.yaml"
-    params.write_text("configurations: [plain, mtp-k1, mtp-k3]\nrepeats: 2\nmax_tokens: 16\nparallel: 1\n")
+    params.write_text("configurations: [plain, mtp-k1, mtp-k3]\nrepeats: 2\nmax_tokens: 16\nparallel: 1\nprompt_tokens: 256\n")
     command = ["make", "run", "CHAPTER=reproduce", f"PARAMS={params}", "ENV=cpu", f"VENV={Path(sys.prefix)}"]
     records = lambda: sorted((root / "results" / "measured").glob("cpu-*/reproduce/*.json"))  # noqa: E731
     log = tmp_path / "first.log"
