@@ -186,11 +186,33 @@ def grid_class(repeat: dict, baseline: dict | None) -> str:
     return "other tokens, same length"
 
 
-def repeat_grid(records: list[dict], max_tokens: int, title: str):
+def divergence_verdicts(records: list[dict], threshold: float | None = None) -> dict[str, str]:
+    """The classifier's verdict on each configuration whose first repeat parts from plain greedy's (same prompt, the
+    records' own model): its id -> "near-tie" or "suspected bug" (spectie.divergence, fp32 reference)."""
+    from spectie import divergence
+
+    base = next((r for r in records if r["parameters"]["configuration"] == r["parameters"]["baseline"]
+                 and r["results"]["repeats"]), None)
+    verdicts = {}
+    for r in records:
+        repeats = r["results"]["repeats"]
+        if base is None or r is base or not repeats or repeats[0].get("first_divergence") is None:
+            continue
+        pair = divergence.pair_from_records(r, base)
+        result = divergence.classify(r["parameters"]["model"], pair["prompt_token_ids"], pair["a"], pair["b"], threshold)
+        verdicts[r["parameters"]["configuration"]] = ("near-tie" if result.verdict == divergence.NEAR_TIE
+                                                      else "suspected bug")
+    return verdicts
+
+
+def repeat_grid(records: list[dict], max_tokens: int, title: str, verdicts: dict[str, str] | None = None):
     """Configuration × repeat, each cell one generation: its output tokens, coloured by what it did against
-    plain greedy's (a stop that plain greedy makes too is not a truncation); hatched: did not run."""
+    plain greedy's (a stop that plain greedy makes too is not a truncation); hatched: did not run. `verdicts`
+    (divergence_verdicts): the classifier's word on a configuration that parts from plain greedy, beside its row;
+    a suspected bug's cells are cross-hatched."""
     from matplotlib.patches import Patch
 
+    verdicts = verdicts or {}
     runs = measured_runs(records)
     width = max([len(r["results"]["repeats"]) for r in runs] + [r["parameters"]["repeats"] for r in runs] + [1])
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(runs) + 1.6))
@@ -203,8 +225,9 @@ def repeat_grid(records: list[dict], max_tokens: int, title: str):
             if col < len(repeats):
                 kind = grid_class(repeats[col], baseline)
                 seen.add(kind)
+                bug = kind != "as plain greedy" and verdicts.get(r["parameters"]["configuration"]) == "suspected bug"
                 ax.add_patch(plt.Rectangle((col, row), 1, 1, facecolor=GRID_CLASSES[kind], edgecolor="black",
-                                           linewidth=0.5))
+                                           linewidth=0.5, hatch="xx" if bug else None))
                 ax.text(col + 0.5, row + 0.5, str(tokens_written(repeats[col])), ha="center", va="center",
                         fontsize=7, color="white" if kind in ("stopped earlier than plain greedy",
                                                               "stopped later than plain greedy") else "black")
@@ -214,13 +237,20 @@ def repeat_grid(records: list[dict], max_tokens: int, title: str):
                                            edgecolor="white", hatch="//"))
                 if col == 0:
                     ax.text(0.1, row + 0.5, status, va="center", fontsize=7)
+    for row, r in enumerate(runs):
+        verdict = verdicts.get(r["parameters"]["configuration"])
+        if verdict:
+            ax.text(width + 0.15, row + 0.5, verdict, va="center", fontsize=7,
+                    color="#990000" if verdict == "suspected bug" else "black")
     ax.set_xlim(0, width)
     ax.set_ylim(len(runs), 0)
     ax.set_yticks([i + 0.5 for i in range(len(runs))], [r["parameters"]["configuration"] for r in runs], fontsize=8)
     ax.set_xticks([i + 0.5 for i in range(width)], [str(i + 1) for i in range(width)], fontsize=8)
     ax.set_xlabel("repeat (the number: output tokens written, end-of-text not counted)")
-    ax.legend(handles=[Patch(facecolor=GRID_CLASSES[k], edgecolor="black", label=k) for k in GRID_CLASSES if k in seen],
-              fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    handles = [Patch(facecolor=GRID_CLASSES[k], edgecolor="black", label=k) for k in GRID_CLASSES if k in seen]
+    if "suspected bug" in verdicts.values():
+        handles.append(Patch(facecolor="white", edgecolor="black", hatch="xx", label="classifier: suspected bug"))
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01 + (0.12 if verdicts else 0), 1))
     ax.set_title(title)
     fig.tight_layout()
     plt.close(fig)

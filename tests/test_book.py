@@ -201,6 +201,16 @@ def test_no_page_shows_a_traceback_nan_repr_or_local_path(built):
     assert KNOWN_UNREADABLE <= seen, f"mended, take them off KNOWN_UNREADABLE: {KNOWN_UNREADABLE - seen}"
 
 
+def test_no_table_shows_python_booleans_or_six_decimal_floats(built):
+    """Cells a reader reads: yes/no, not True/False; numbers at their precision, not pandas' six decimals."""
+    found = []
+    for page in sorted((built[0] / "_build" / "html" / "generated").glob("*.html")):
+        html = page.read_text()
+        for pattern in (r"<t[dh][^>]*>\s*(True|False)\s*</t[dh]>", r"<t[dh][^>]*>\s*-?\d+\.\d{6}\s*</t[dh]>"):
+            found += [f"{page.name}: {m.group(0)[-60:]}" for m in re.finditer(pattern, html)]
+    assert not found, "\n".join(found[:20])
+
+
 # Measures, in the page as a browser lays it out at 1400 px, every table against the article's width.
 LAYOUT_PROBE = """<script>
 window.addEventListener('load', () => {

@@ -686,3 +686,22 @@ def test_make_run_killed_mid_matrix_resumes_and_writes_each_record_once(tmp_path
     executed = (root / "_build" / "runs" / "reproduce.ipynb").read_text()  # the run's log is in its notebook
     assert re.search(r"plain: recorded earlier \(ok\), skipped", executed), executed[-2000:]
     assert not list((root / "results").rglob(".*.tmp-write")), "a half-written record was left behind"
+
+
+def test_the_repeat_grid_says_the_classifiers_verdict_beside_a_configuration_that_parts():
+    from spectie import reproduce
+
+    base = {"parameters": {"configuration": "plain", "baseline": "plain", "repeats": 2, "matrix": "cpu", "method": "none"},
+            "results": {"repeats": [{"token_hash": "a", "finish_reason": "length", "output_tokens": 5, "token_ids": [1] * 5,
+                                     "same_as_baseline": True}] * 2, "status": "ok"},
+            "provenance": "measured", "kind": "engine-outcome", "environments": ["cpu"], "fingerprint": {"host_id": "h"},
+            "started_at": "2026-12-05T00:00:00+00:00"}
+    other = {**base, "parameters": {**base["parameters"], "configuration": "ngram_gpu-k1", "method": "ngram_gpu"},
+             "results": {"repeats": [{"token_hash": "b", "finish_reason": "length", "output_tokens": 5,
+                                      "token_ids": [2] * 5, "same_as_baseline": False}] * 2, "status": "ok"},
+             "started_at": "2026-12-05T00:01:00+00:00"}
+    figure = reproduce.repeat_grid([base, other], 5, "t", {"ngram_gpu-k1": "suspected bug"})
+    texts = [t.get_text() for t in figure.axes[0].texts]
+    assert "suspected bug" in texts
+    assert any(p.get_hatch() == "xx" for p in figure.axes[0].patches)
+    assert "classifier: suspected bug" in [t.get_text() for t in figure.axes[0].get_legend().get_texts()]
