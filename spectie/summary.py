@@ -355,8 +355,36 @@ def incident_ngram_text(records: list[dict], ledger: dict) -> str:
             parts.append(f"the incident's own ngram_gpu {'stop' if r['results'].get('stopped_early') else 'run'} "
                          f"(reported, record {r['id']}) ran vLLM {version}, in which the fix ledger finds "
                          + (", ".join(has) if has else "none of the #39273 fixes")
+                         + same_release_ngram(records, version)
                          + ": it may be this correctness bug rather than a tie, and these records cannot tell which")
     return "; ".join(parts)
+
+
+def same_release_ngram(records: list[dict], version: str) -> str:
+    """What ngram_gpu did on the organism through the same vLLM release on a GPU here (classified divergences),
+    as a clause; empty where that release did not run ngram_gpu here."""
+    from spectie.environments import release
+
+    said = []
+    for row in engine_divergences(records):
+        if row["method"] != "ngram_gpu" or release(row["vllm"]) != version or row["device"] == "CPU":
+            continue
+        if row["outside"]:
+            said.append(f"; on the organism, ngram_gpu of that release ({row['environment']}, measured) wrote tokens "
+                        f"outside the noise band: the classifier calls {len(row['outside'])} of its {row['divergences']} "
+                        "divergences suspected correctness bugs, so the bug is in that release")
+        else:
+            said.append(f"; on the organism, that release's ngram_gpu ({row['environment']}, measured) parted from "
+                        f"plain greedy only at near-ties ({row['near_ties']} of {row['divergences']})")
+    clean = [env for (env, _), runs in gpu_matrix_runs(records).items()
+             if release(runs[0]["fingerprint"].get("vllm")) == version and not any(
+                 row["environment"] == env and row["method"] == "ngram_gpu" for row in engine_divergences(records))
+             and [x for r in runs if r["parameters"]["method"] == "ngram_gpu" for x in r["results"]["repeats"]]
+             and all(x.get("same_as_baseline") for r in runs if r["parameters"]["method"] == "ngram_gpu"
+                     for x in r["results"]["repeats"])]
+    said += [f"; on the organism, that release's ngram_gpu ({env}, measured) wrote plain greedy's tokens every time"
+             for env in clean]
+    return "".join(said)
 
 
 def ngram_advice(records: list[dict]) -> str:

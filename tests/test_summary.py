@@ -189,3 +189,21 @@ def test_the_incidents_ngram_gpu_stop_is_read_against_the_ledger(reported):
 def test_bullets_keep_a_name_spelled_with_an_inner_capital():
     assert summary.bullets(["vLLM 0.32.0 ran", "speculation by mtp", "ngram_gpu wrote"]) == (
         "- vLLM 0.32.0 ran.\n- Speculation by mtp.\n- ngram_gpu wrote.")
+
+
+def test_the_incidents_ngram_gpu_release_is_read_against_its_measured_run(reported):
+    """When the organism ran ngram_gpu through the incident's own release on a GPU, the sentence says what it did."""
+    from spectie.fixes import ledger_record
+
+    verdicts = {"kind": "divergence-verdicts", "provenance": "measured", "environments": ["cpu"],
+                "parameters": {"engine_environment": "v0.31.0-h100", "engine_vllm": "0.31.0",
+                               "engine_device": "NVIDIA H100 80GB HBM3", "model": "organism", "threshold": 0.118},
+                "results": {"rows": [{"class": "ngram_gpu", "verdict": "bug", "fp32 margin": -20.5},
+                                     {"class": "ngram_gpu", "verdict": "near-tie", "fp32 margin": 0.01}]}}
+    text = summary.incident_ngram_text(reported + [verdicts], ledger_record())
+    assert ("ran vLLM 0.31.0, in which the fix ledger finds none of the #39273 fixes; on the organism, ngram_gpu of "
+            "that release (v0.31.0-h100, measured) wrote tokens outside the noise band: the classifier calls 1 of its "
+            "2 divergences suspected correctness bugs, so the bug is in that release: it may be") in text
+    verdicts["results"]["rows"] = verdicts["results"]["rows"][1:]
+    assert "parted from plain greedy only at near-ties (1 of 1)" in summary.incident_ngram_text(reported + [verdicts],
+                                                                                                ledger_record())
