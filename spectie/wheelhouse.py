@@ -18,13 +18,13 @@ other release environment gets `vllm==<version>` and every dependency pip resolv
 from __future__ import annotations
 
 import argparse
-import hashlib
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 from spectie.errors import UsageError
+from spectie.organism import file_sha256 as sha256
 
 DEFAULT_GLIBC = (2, 28)  # manylinux_2_28: what vLLM's and torch's Linux wheels need at least
 
@@ -75,14 +75,6 @@ def pip_download(env: dict, folder: Path, python: str | None = None) -> list[str
                "--implementation", "cp", "--abi", f"cp{tag}", "--abi", "abi3", "--abi", "none",
                *(f"--platform={p}" for p in platforms), "--dest", str(folder)]
     return command + ([] if with_dependencies else ["--no-deps"]) + pins
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 INSTALL = """#!/usr/bin/env bash
