@@ -236,35 +236,46 @@ def input_digests(chapter: Chapter, parameters: dict) -> dict[str, str]:
     return digests
 
 
-def content_hash(chapter: Chapter, parameters: dict) -> str:
+def _stamp(digests: dict[str, str]) -> str:
     """One hash of `input_digests`: what the executed copy and the run's records are stamped with."""
-    return hashlib.sha256(json.dumps(input_digests(chapter, parameters), sort_keys=True).encode()).hexdigest()
+    return hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest()
+
+
+def content_hash(chapter: Chapter, parameters: dict) -> str:
+    return _stamp(input_digests(chapter, parameters))
 
 
 def executed_path(chapter: Chapter) -> Path:
     return project_root() / EXECUTED_DIR / Path(chapter.notebook).name
 
 
-def stored_hash(path: Path) -> str | None:
-    """The content hash an executed copy was made from, or None if there is none."""
+def _stored_stamp(path: Path) -> dict | None:
+    """The stamp an executed copy was made with (its content hash, its inputs' digests), or None if there is none."""
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())["metadata"]["spectie"]["content_hash"]
+        stamp = json.loads(path.read_text())["metadata"]["spectie"]
+        return stamp if isinstance(stamp["content_hash"], str) else None
     except (KeyError, ValueError, TypeError):
         return None
 
 
+def stored_hash(path: Path) -> str | None:
+    """The content hash an executed copy was made from, or None if there is none."""
+    stamp = _stored_stamp(path)
+    return stamp["content_hash"] if stamp else None
+
+
 def stale_reasons(chapter: Chapter, parameters: dict | None = None) -> list[str]:
     """Why the chapter's executed copy is out of date (empty: it is current): which inputs are new, changed
-    or gone since it was made."""
-    path = executed_path(chapter)
+    or gone since it was made. The executed copy is read once (it holds the chapter's figures)."""
     current = input_digests(chapter, parameters or {})
-    if stored_hash(path) is None:
+    stamp = _stored_stamp(executed_path(chapter))
+    if stamp is None:
         return ["no executed copy yet"]
-    if stored_hash(path) == hashlib.sha256(json.dumps(current, sort_keys=True).encode()).hexdigest():
+    if stamp["content_hash"] == _stamp(current):
         return []
-    stored = json.loads(path.read_text())["metadata"]["spectie"].get("inputs")
+    stored = stamp.get("inputs")
     if not isinstance(stored, dict):
         return ["its executed copy does not list its inputs (made by an older spectie)"]
     reasons = [f"changed: {name}" for name in sorted(current.keys() & stored.keys()) if current[name] != stored[name]]
@@ -297,7 +308,7 @@ def execute(chapter: Chapter, parameters: dict | None = None, output: Path | Non
     output = output or executed_path(chapter)
     output.parent.mkdir(parents=True, exist_ok=True)
     digests = input_digests(chapter, parameters)
-    stamp = hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest()
+    stamp = _stamp(digests)
     # Not beside the executed copies: a run killed outright would leave it where the book would build it.
     scratch = root / "_build" / "tmp"
     scratch.mkdir(parents=True, exist_ok=True)

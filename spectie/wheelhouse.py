@@ -138,9 +138,9 @@ def build(environment: str, out: str | Path, part_mib: int | None = None, python
     wheels.mkdir(parents=True, exist_ok=True)
     log(f"wheelhouse: {environment} (vLLM {env['vllm']['version']}) into {out}")
     subprocess.run(command, check=True)
-    pins, exact = requirements(env)[0], not requirements(env)[1]
+    pins, with_dependencies = requirements(env)
     files = sorted(wheels.glob("*.whl"))
-    if exact:  # exactly the lock's wheels (an earlier download into OUT may have left others)
+    if not with_dependencies:  # exactly the lock's wheels (an earlier download into OUT may have left others)
         norm = lambda name: re.sub(r"[-_.]+", "_", name).lower()  # noqa: E731
         wanted = {(norm(p.split("==")[0]), p.split("==")[1]) for p in pins}
         files = [f for f in files if (norm(f.name.split("-")[0]), f.name.split("-")[1]) in wanted]
