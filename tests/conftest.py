@@ -75,9 +75,10 @@ def stale_chapters(root: Path) -> tuple[list[str], str]:
 @pytest.fixture(scope="session")
 def built(tmp_path_factory):
     """A copy of the project, built once for every test that reads the book or the records a build writes. The
-    chapters' executed copies of this checkout and the records its builds made (results/measured/cpu-*, not
-    tracked) go with it: where they are current the build executes nothing (a fresh clone has neither, so there,
-    as in CI, the whole book is executed from clean)."""
+    chapters' executed copies of this checkout go with it: where they are current the build executes nothing (a
+    fresh clone has none, so there, as in CI, every chapter is executed from clean). The measured records are the
+    checkout's own (committed): a chapter reuses this host's record of a measurement that did not change and
+    measures what did, as `make build` does."""
     if not (Path(sys.prefix) / "bin" / "jupyter-book").exists():
         pytest.fail("run the tests from the project's environment (make test)")
     root = copy_project(tmp_path_factory.mktemp("clean") / "project")
@@ -85,8 +86,6 @@ def built(tmp_path_factory):
     for executed in sorted((ROOT / "book" / "generated").glob("*.ipynb")):
         (root / "book" / "generated").mkdir(parents=True, exist_ok=True)
         shutil.copy2(executed, root / "book" / "generated" / executed.name)
-    for made in sorted((ROOT / "results" / "measured").glob("cpu-*")):  # what this checkout's builds recorded
-        shutil.copytree(made, root / "results" / "measured" / made.name, dirs_exist_ok=True)
     (root / "artifacts").symlink_to(ROOT / "artifacts")  # built by `make setup`, like the environment
     stale, _ = stale_chapters(root)
     result = make("build", root)

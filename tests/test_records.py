@@ -236,3 +236,27 @@ def test_a_hub_id_is_recorded_with_the_commit_and_weights_it_resolved_to(tmp_pat
     assert fp["model_revision"] == commit and fp["model_sha256"] == hashlib.sha256(b"weights").hexdigest()[:12]
     record = {"parameters": {"model": "Qwen/Qwen3.5-0.8B"}, "fingerprint": fp}
     assert model_name(record) == f"Qwen/Qwen3.5-0.8B@{commit[:12]} ({fp['model_sha256']})"
+
+
+def test_a_measurement_is_reused_only_where_weights_arguments_and_code_are_the_same(project_copy, tmp_path,
+                                                                                     measured_record):
+    """The key names the weights by their bytes, not their folder (a fresh clone elsewhere reuses what this host
+    measured); another argument, other weights or an edited measuring source is another measurement."""
+    from spectie.fingerprint import measurement_key
+    from spectie.records import recorded_measurement
+
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "model.safetensors").write_bytes(b"weights")
+    sources = ("spectie/margins.py",)
+    key = measurement_key("margins", str(tmp_path / "a"), {"prompts": 2}, sources)
+    assert measurement_key("margins", str(tmp_path / "b"), {"prompts": 2}, sources) == key
+    assert measurement_key("margins", str(tmp_path / "a"), {"prompts": 3}, sources) != key
+    (tmp_path / "b" / "model.safetensors").write_bytes(b"other weights")
+    assert measurement_key("margins", str(tmp_path / "b"), {"prompts": 2}, sources) != key
+    path = write_record(dict(measured_record, parameters={"measurement_key": key}), tmp_path / "r.json")
+    assert recorded_measurement(path, key)["parameters"]["measurement_key"] == key
+    source = project_copy / "spectie" / "margins.py"
+    source.write_text(source.read_text() + "\n# edited\n")
+    assert recorded_measurement(path, measurement_key("margins", str(tmp_path / "a"), {"prompts": 2}, sources)) is None
+    assert recorded_measurement(tmp_path / "missing.json", key) is None

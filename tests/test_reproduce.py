@@ -660,7 +660,7 @@ def test_make_run_killed_mid_matrix_resumes_and_writes_each_record_once(tmp_path
         for path in old.glob("*.json"):
             path.unlink()
     params = tmp_path / "small.yaml"
-    params.write_text("configurations: [plain, mtp-k1, mtp-k3]\nrepeats: 2\nmax_tokens: 16\nparallel: 1\nprompt_tokens: 256\n")
+    params.write_text("configurations: [plain, mtp-k1]\nrepeats: 2\nmax_tokens: 16\nparallel: 1\nprompt_tokens: 256\n")
     command = ["make", "run", "CHAPTER=reproduce", f"PARAMS={params}", "ENV=cpu", f"VENV={Path(sys.prefix)}"]
     records = lambda: sorted((root / "results" / "measured").glob("cpu-*/reproduce/*.json"))  # noqa: E731
     log = tmp_path / "first.log"
@@ -673,12 +673,12 @@ def test_make_run_killed_mid_matrix_resumes_and_writes_each_record_once(tmp_path
     os.killpg(first.pid, signal.SIGKILL)
     first.wait()
     before = {p.name: p.read_bytes() for p in records()}
-    assert len(before) < 3, "the kill came after the matrix had finished"
+    assert len(before) < 2, "the kill came after the matrix had finished"
     second = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=1500)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     after = records()
     configurations = sorted(read_record(p)["parameters"]["configuration"] for p in after)
-    assert configurations == ["mtp-k1", "mtp-k3", "plain"]  # one record each
+    assert configurations == ["mtp-k1", "plain"]  # one record each
     for path in after:
         record = validate_record(read_record(path))
         assert record["results"]["status"] == "ok" and len(record["results"]["repeats"]) == 2, path.name

@@ -13,7 +13,6 @@ skips it (resume after an interruption).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -169,10 +168,20 @@ def request_for(config: EngineConfig, matrix: Matrix, model: str, prompts: list[
             "environment": {**matrix.environment, **config.environment()}}
 
 
-def request_key(request: dict, vllm_version: str, content_hash: str) -> str:
-    """Identity of a run: same key, same engine arguments, prompt, sampling, repeats, vLLM and code."""
-    text = json.dumps({**request, "vllm_version": vllm_version, "content_hash": content_hash}, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()
+# The files whose code runs an engine and summarizes its outcome (with the weights, the request and vLLM's version:
+# a run's measurement key).
+RUN_SOURCES = ("spectie/engines/runner.py", "spectie/engines/child.py", "spectie/tiestop.py")
+
+
+def request_key(request: dict, vllm_version: str) -> str:
+    """Identity of a run: the same weights (by digest, wherever they lie), engine arguments, prompts, sampling,
+    repeats, vLLM and code (`fingerprint.measurement_key`); a record holding it is reused, not run again."""
+    from spectie.fingerprint import measurement_key
+
+    kwargs = dict(request["llm_kwargs"])
+    model = kwargs.pop("model")
+    return measurement_key("engine-outcome", model, {**request, "llm_kwargs": kwargs, "vllm_version": vllm_version},
+                           RUN_SOURCES)
 
 
 _RUNNING: set = set()  # engine processes running now (killed together on an interruption)
@@ -397,7 +406,7 @@ def make_record(config: EngineConfig, matrix: Matrix, request: dict, results: di
         "configuration": config.id, "matrix": matrix.name, "baseline": matrix.baseline, "model": model_label,
         "ignore_eos": config.ignore_eos,
         "repeats": config.repeats, "batch_invariant": config.batch_invariant, "llm_kwargs": kwargs,
-        "environment_variables": request["environment"], "request_key": key,
+        "environment_variables": request["environment"], "measurement_key": key,
         "prompt_token_ids": list(prompt_ids),
     }
     record = measured_record(
@@ -418,21 +427,6 @@ def engine_fingerprint(record: dict, probe: dict) -> None:
         record["fingerprint"][name] = probe[name]
     record["fingerprint"]["vllm"] = probe["vllm_version"]
     record["fingerprint"]["vllm_platform"] = probe["platform"]
-
-
-def existing_record(path: Path, key: str) -> dict | None:
-    """The record of an earlier run of exactly this request (resume), if one finished."""
-    from spectie.records import RecordError, read_record
-
-    if not path.is_file():
-        return None
-    try:
-        record = read_record(path)
-    except RecordError:
-        return None
-    if record["parameters"].get("request_key") != key or record["results"].get("status") == "interrupted":
-        return None
-    return record
 
 
 def remaining_estimate(finished: list[tuple[Outcome, int]], left: list[EngineConfig], parallel: int,
@@ -471,7 +465,7 @@ def run_matrix(matrix: Matrix, model: str, prompts: dict[int, list[int]], enviro
     from tqdm import tqdm
 
     from spectie.fingerprint import host_id, now
-    from spectie.records import measured_path, write_record
+    from spectie.records import measured_path, recorded_measurement, write_record
 
     if not prompts:
         raise UsageError("the matrix needs at least one prompt")
@@ -516,10 +510,10 @@ def run_matrix(matrix: Matrix, model: str, prompts: dict[int, list[int]], enviro
 
     def run_one(number: int, config: EngineConfig) -> list[dict]:
         request = request_for(config, matrix, model, list(prompts.values()), extra_engine)
-        key = request_key(request, probe["vllm_version"], content_hash)
+        key = request_key(request, probe["vllm_version"])
         paths = {seed: path_of(config, seed) for seed in seeds}
         is_baseline = config.id == matrix.baseline
-        done = [existing_record(paths[seed], key) for seed in seeds] if resume else [None]
+        done = [recorded_measurement(paths[seed], key) for seed in seeds] if resume else [None]
         if all(r is not None for r in done):
             log(f"[{number}/{len(configs)}] {config.id}: recorded earlier ({done[0]['results']['status']}), skipped")
             overall.update(config.repeats * len(seeds))
