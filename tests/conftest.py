@@ -1,13 +1,17 @@
 import copy
 import json
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parent.parent
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one thread per test worker: two workers share the cores, not fight
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # over them (torch's and vLLM's OpenMP threads spin)
 
 
 @pytest.fixture
@@ -72,22 +76,47 @@ def stale_chapters(root: Path) -> tuple[list[str], str]:
     return [line.split()[1].rstrip(":") for line in result.stdout.splitlines() if line.startswith("stale")], result.stdout
 
 
+def shared_dir(tmp_path_factory) -> Path:
+    """A folder every test worker of this run sees (pytest-xdist gives each worker its own basetemp inside it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture
+def one_engine_at_a_time(tmp_path_factory):
+    """Two vLLM CPU engines started by two test workers would both bind to core 0 (vLLM's automatic binding) and spin
+    against each other: the tests that start engines, and a build that may start them, take turns."""
+    with FileLock(shared_dir(tmp_path_factory) / "engines.lock"):
+        yield
+
+
 @pytest.fixture(scope="session")
 def built(tmp_path_factory):
-    """A copy of the project, built once for every test that reads the book or the records a build writes. The
-    chapters' executed copies of this checkout go with it: where they are current the build executes nothing (a
-    fresh clone has none, so there, as in CI, every chapter is executed from clean). The measured records are the
-    checkout's own (committed): a chapter reuses this host's record of a measurement that did not change and
-    measures what did, as `make build` does."""
+    """A copy of the project, built once for every test that reads the book or the records a build writes (once
+    per run: the first test worker to need it builds, the others wait and read what it wrote). The chapters'
+    executed copies of this checkout go with it: where they are current the build executes nothing (a fresh clone
+    has none, so there, as in CI, every chapter is executed from clean). The measured records are the checkout's
+    own (committed): a chapter reuses this host's record of a measurement that did not change and measures what
+    did, as `make build` does."""
     if not (Path(sys.prefix) / "bin" / "jupyter-book").exists():
         pytest.fail("run the tests from the project's environment (make test)")
-    root = copy_project(tmp_path_factory.mktemp("clean") / "project")
-    assert not (root / "_build").exists()
-    for executed in sorted((ROOT / "book" / "generated").glob("*.ipynb")):
-        (root / "book" / "generated").mkdir(parents=True, exist_ok=True)
-        shutil.copy2(executed, root / "book" / "generated" / executed.name)
-    (root / "artifacts").symlink_to(ROOT / "artifacts")  # built by `make setup`, like the environment
-    stale, _ = stale_chapters(root)
-    result = make("build", root)
+    shared = shared_dir(tmp_path_factory)
+    kept = shared / "built.json"
+    with FileLock(shared / "built.lock"):
+        if not kept.is_file():
+            root = copy_project(tmp_path_factory.mktemp("clean") / "project")
+            assert not (root / "_build").exists()
+            for executed in sorted((ROOT / "book" / "generated").glob("*.ipynb")):
+                (root / "book" / "generated").mkdir(parents=True, exist_ok=True)
+                shutil.copy2(executed, root / "book" / "generated" / executed.name)
+            (root / "artifacts").symlink_to(ROOT / "artifacts")  # built by `make setup`, like the environment
+            stale, _ = stale_chapters(root)
+            with FileLock(shared / "engines.lock"):  # a chapter whose records are missing starts vLLM engines
+                result = make("build", root)
+            kept.write_text(json.dumps({"root": str(root), "stale": stale, "args": result.args,
+                                        "returncode": result.returncode, "stdout": result.stdout,
+                                        "stderr": result.stderr}))
+    done = json.loads(kept.read_text())
+    result = subprocess.CompletedProcess(done["args"], done["returncode"], done["stdout"], done["stderr"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return root, result, stale
+    return Path(done["root"]), result, done["stale"]

