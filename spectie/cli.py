@@ -7,6 +7,7 @@ internal error (a bug in spectie: its traceback, then one line)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -320,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
         return BAD_INPUT
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader stopped reading (`spectie stale | head`): not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes at exit
+        return 0
     except Exception as exc:  # a bug, not bad input: say so, with what a report needs
         import traceback
 

@@ -76,3 +76,20 @@ def test_make_build_without_the_organism_says_so():
                             capture_output=True, text=True, timeout=60)
     assert result.returncode != 0
     assert "the tokenizer or the organism is missing from artifacts/: run 'make setup'" in result.stderr
+
+
+def test_a_reader_that_stops_reading_is_not_an_internal_error(monkeypatch, capsys):
+    """`spectie stale | head -3`: the pipe closes while spectie still writes; it ends quietly with 0, not with
+    "internal error: BrokenPipeError" (exit 3)."""
+    import os
+
+    from spectie import cli
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader has gone: every write fails with EPIPE
+    closed_pipe = os.fdopen(write_end, "w", buffering=1)  # line-buffered, as a terminal or `| head` sees each line
+    monkeypatch.setattr("sys.stdout", closed_pipe)
+    assert cli.main(["list"]) == 0
+    monkeypatch.undo()
+    closed_pipe.close()
+    assert "internal error" not in capsys.readouterr().err
