@@ -599,7 +599,7 @@ def write_verdicts(rows: list[dict], engine_records: list[dict], model: str, thr
     rows of `classify_cases` on its `recorded_pairs`): computed on this host, about the engine outputs of
     `engine_records`' environment, with the band used. The summary reads it instead of classifying again."""
     from spectie.fingerprint import host_id
-    from spectie.records import RecordError, measured_path, measured_record, read_record, write_record
+    from spectie.records import measured_path, measured_record, read_if_valid, write_record
 
     source = engine_records[0]
     parameters = {"model": model, "engine_environment": source["environments"][0],
@@ -612,10 +612,7 @@ def write_verdicts(rows: list[dict], engine_records: list[dict], model: str, thr
         results={"rows": [{k: v for k, v in row.items() if k not in ("truth", "right")} for row in rows]},
         started_at=started_at, content_hash=content_hash, dtype="float32")
     path = measured_path(record)
-    try:  # the same verdicts on the same divergences with the same band: the earlier record stands, unchanged
-        earlier = read_record(path) if path.is_file() else None
-    except RecordError:
-        earlier = None
+    earlier = read_if_valid(path)  # the same verdicts on the same divergences with the same band: it stands, unchanged
     if earlier and (earlier["parameters"], earlier["results"]) == (record["parameters"], record["results"]):
         return earlier
     write_record(record, path)

@@ -169,16 +169,12 @@ def installed_version() -> tuple[str | None, str | None]:
 def ensure_record(results_dir: str | Path | None = None) -> dict:
     """The ledger's record on this machine: the one under results/ if it was made from the committed ledger
     as it is now (same sha256), else a new one, written there."""
-    from spectie.records import RecordError, measured_path, read_record, write_record
+    from spectie.records import measured_path, read_if_valid, write_record
 
     record = ledger_record()
     path = measured_path(record, results_dir)
-    if path.is_file():
-        try:
-            existing = read_record(path)
-        except RecordError:
-            existing = None
-        if existing and existing["parameters"]["source_sha256"] == record["parameters"]["source_sha256"]:
-            return existing
+    existing = read_if_valid(path)
+    if existing and existing["parameters"]["source_sha256"] == record["parameters"]["source_sha256"]:
+        return existing
     write_record(record, path)
     return record

@@ -130,14 +130,19 @@ def read_record(path: str | os.PathLike) -> dict:
     return validate_record(record, where=str(path))
 
 
+def read_if_valid(path: str | os.PathLike) -> dict | None:
+    """The record at `path`, or None where there is none or it is not a valid record (what is made again then)."""
+    path = Path(path)
+    try:
+        return read_record(path) if path.is_file() else None
+    except RecordError:
+        return None
+
+
 def recorded_measurement(path: str | os.PathLike, key: str) -> dict | None:
     """The record at `path` if it holds the measurement `key` names (`fingerprint.measurement_key`) and finished:
     what a build reuses instead of measuring again. None if there is none, it is unreadable, or it holds another."""
-    path = Path(path)
-    try:
-        record = read_record(path) if path.is_file() else None
-    except RecordError:
-        return None
+    record = read_if_valid(path)
     if record is None or record["parameters"].get("measurement_key") != key:
         return None
     return None if record["results"].get("status") == "interrupted" else record

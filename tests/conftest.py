@@ -82,11 +82,15 @@ def shared_dir(tmp_path_factory) -> Path:
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
+def engines_lock(tmp_path_factory) -> FileLock:
+    """Two vLLM CPU engines started by two test workers would both bind to core 0 (vLLM's automatic binding) and spin
+    against each other: the tests that start engines, and a build that may start them, take turns through this."""
+    return FileLock(shared_dir(tmp_path_factory) / "engines.lock")
+
+
 @pytest.fixture
 def one_engine_at_a_time(tmp_path_factory):
-    """Two vLLM CPU engines started by two test workers would both bind to core 0 (vLLM's automatic binding) and spin
-    against each other: the tests that start engines, and a build that may start them, take turns."""
-    with FileLock(shared_dir(tmp_path_factory) / "engines.lock"):
+    with engines_lock(tmp_path_factory):
         yield
 
 
@@ -111,7 +115,7 @@ def built(tmp_path_factory):
                 shutil.copy2(executed, root / "book" / "generated" / executed.name)
             (root / "artifacts").symlink_to(ROOT / "artifacts")  # built by `make setup`, like the environment
             stale, _ = stale_chapters(root)
-            with FileLock(shared / "engines.lock"):  # a chapter whose records are missing starts vLLM engines
+            with engines_lock(tmp_path_factory):  # a chapter whose records are missing starts vLLM engines
                 result = make("build", root)
             kept.write_text(json.dumps({"root": str(root), "stale": stale, "args": result.args,
                                         "returncode": result.returncode, "stdout": result.stdout,
