@@ -377,7 +377,9 @@ def greedy_with_bug(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: 
     output = []
     try:
         with torch.no_grad():
-            out = model(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True)
+            # Only the last position's logits, as generate() computes them: the output head over every prompt row
+            # would cost far more than the whole decoding (Qwen3.5's vocabulary is 248k).
+            out = model(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True, logits_to_keep=1)
             cache = out.past_key_values
             layers = [layer for layer in cache.layers if hasattr(layer, "recurrent_states")]  # GDN layers
             saved = [layer.recurrent_states[0].clone() for layer in layers]  # the state at the prompt's end
