@@ -1,3 +1,4 @@
+import contextlib
 import copy
 import json
 import os
@@ -10,8 +11,15 @@ import pytest
 from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parent.parent
-if os.environ.get("PYTEST_XDIST_WORKER"):  # one thread per test worker: two workers share the cores, not fight
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # over them (torch's and vLLM's OpenMP threads spin)
+CORES = os.cpu_count() or 1
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ... under pytest-xdist; None in a single process
+# Each test worker computes on one thread and starts its vLLM CPU engines on a core of its own: two engines that
+# both bind to core 0 (vLLM's automatic binding), or OpenMP threads of two workers on one core, spin against each
+# other.
+CORE = int(WORKER.removeprefix("gw")) % CORES if WORKER else None
+if WORKER:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(CORE)
 
 
 @pytest.fixture
@@ -82,15 +90,18 @@ def shared_dir(tmp_path_factory) -> Path:
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
-def engines_lock(tmp_path_factory) -> FileLock:
-    """Two vLLM CPU engines started by two test workers would both bind to core 0 (vLLM's automatic binding) and spin
-    against each other: the tests that start engines, and a build that may start them, take turns through this."""
-    return FileLock(shared_dir(tmp_path_factory) / "engines.lock")
+def core_locks(tmp_path_factory, cores) -> list[FileLock]:
+    """Locks on CPU cores, seen by every test worker of this run."""
+    return [FileLock(shared_dir(tmp_path_factory) / f"core-{core}.lock") for core in cores]
 
 
 @pytest.fixture
-def one_engine_at_a_time(tmp_path_factory):
-    with engines_lock(tmp_path_factory):
+def own_core(tmp_path_factory):
+    """The core this worker's vLLM engines run on, held while a test starts engines: a build that starts engines
+    takes every core (a single process, without pytest-xdist, has them all)."""
+    with contextlib.ExitStack() as held:
+        for lock in core_locks(tmp_path_factory, [CORE] if WORKER else range(CORES)):
+            held.enter_context(lock)
         yield
 
 
@@ -115,7 +126,9 @@ def built(tmp_path_factory):
                 shutil.copy2(executed, root / "book" / "generated" / executed.name)
             (root / "artifacts").symlink_to(ROOT / "artifacts")  # built by `make setup`, like the environment
             stale, _ = stale_chapters(root)
-            with engines_lock(tmp_path_factory):  # a chapter whose records are missing starts vLLM engines
+            with contextlib.ExitStack() as held:  # a chapter whose records are missing starts vLLM engines
+                for lock in core_locks(tmp_path_factory, range(CORES)):
+                    held.enter_context(lock)
                 result = make("build", root)
             kept.write_text(json.dumps({"root": str(root), "stale": stale, "args": result.args,
                                         "returncode": result.returncode, "stdout": result.stdout,

@@ -124,7 +124,9 @@ def test_a_model_larger_than_memory_is_refused_before_loading(monkeypatch):
         host.check("reduction_order", get_environment("cpu"), {"model": "qwen3.5-9b-shape", "device": "cpu"})
     with pytest.raises(UsageError, match="is neither a folder with a config.json nor a hub id"):
         host.check("margins", get_environment("cpu"), {"model": "/nonexistent/model", "device": "cpu"})
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants  # offline, as a host without the hub: read when imported, so set on the module
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(UsageError, match="cannot read the config of model 'Qwen/Qwen3.5-2B'"):
         host.check("margins", get_environment("cpu"), {"model": "Qwen/Qwen3.5-2B", "device": "cpu"})
 

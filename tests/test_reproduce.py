@@ -317,37 +317,6 @@ def test_the_builds_vllm_cpu_records_of_plain_and_mtp_on_the_organism(built):
     assert result.verdict == expected, result.explanation
 
 
-@needs_vllm
-def test_real_vllm_cpu_serves_a_random_weight_checkpoint_to_max_tokens(tmp_path, monkeypatch, one_engine_at_a_time):
-    """The random-weight path of the GPU chapter, on the CPU build: a Qwen3.5 shape written as a release
-    checkpoint loads in vLLM with its MTP head, `ignore_eos` runs every generation to max_tokens, and the
-    records name the checkpoint by shape and seed (not by its folder), in files of their own."""
-    from spectie import qwen_shapes
-    from spectie.fingerprint import model_digest
-
-    monkeypatch.setitem(qwen_shapes.SHAPES, "tiny-shape", dict(
-        num_hidden_layers=4, hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
-        linear_num_key_heads=2, linear_num_value_heads=2, tie_word_embeddings=True))
-    folder = str(tmp_path / "checkpoint")
-    qwen_shapes.write_checkpoint("tiny-shape", folder, seed=3, log=lambda *_: None)
-    matrix = read_matrix("cpu").select(["mtp-k3"]).with_repeats(1).with_sampling(max_tokens=16, ignore_eos=True)
-    probe = runner.probe_vllm("cpu")
-    runner.check_matrix(matrix, probe)
-    prompt = runner.build_prompt(folder, 1845, 0, "raw")
-    label = qwen_shapes.model_label("ignored", folder)
-    records = runner.run_matrix(matrix, folder, {0: list(prompt.token_ids)}, "cpu", probe, "0" * 64,
-                                   model_label=label, progress=False, results_dir=tmp_path / "results", log=print)
-    for record in records:
-        validate_record(record)
-        results = record["results"]
-        assert results["status"] == "ok" and results["runs_stopped"] == 0
-        assert [x["output_tokens"] for x in results["repeats"]] == [16]
-        assert record["parameters"]["model"] == label and record["parameters"]["ignore_eos"] is True
-        assert "tiny-shape-checkpoint-random-weight-shape-seed-3" in record["id"]
-        assert record["fingerprint"]["model_sha256"] == model_digest(folder)
-    assert records[1]["results"]["repeats"][0]["speculation"]["num_draft_tokens"] > 0  # the MTP head drafted
-
-
 def test_parting_text_places_each_divergence_against_the_designed_decision():
     from spectie.reproduce import parting_text
 
@@ -644,25 +613,33 @@ def test_failed_probes_are_said_not_turned_into_facts():
 
 
 @needs_vllm
-def test_make_run_killed_mid_matrix_resumes_and_writes_each_record_once(tmp_path, one_engine_at_a_time):
-    """`make run` (vllm-cpu, the organism) killed with SIGKILL while its second engine runs, then run again: the
-    record finished before the kill is kept as it was (not run again), the rest are written, each exactly once,
-    complete and schema-valid, with no half-written file left behind."""
+def test_make_run_on_a_random_weight_checkpoint_killed_mid_matrix_resumes(tmp_path, monkeypatch, own_core):
+    """`make run MODEL=<folder>` (vllm-cpu) on a Qwen3.5 shape written as a release checkpoint with random weights,
+    the GPU chapter's path: it loads in vLLM with its MTP head, `ignore_eos` runs every generation to max_tokens,
+    and the records name the checkpoint by shape and seed (not by its folder). Killed with SIGKILL while its second
+    engine starts, then run again: the record finished before the kill is kept as it was (not run again), the rest
+    is written, each exactly once, complete and schema-valid, with no half-written file left behind."""
     import os
     import signal
     import time
 
     from conftest import copy_project
+    from spectie import qwen_shapes
+    from spectie.fingerprint import model_digest
 
+    monkeypatch.setitem(qwen_shapes.SHAPES, "tiny-shape", dict(
+        num_hidden_layers=4, hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
+        linear_num_key_heads=2, linear_num_value_heads=2, tie_word_embeddings=True))
+    folder = tmp_path / "checkpoint"
+    qwen_shapes.write_checkpoint("tiny-shape", str(folder), seed=3, log=lambda *_: None)
     root = copy_project(tmp_path / "project")
     (root / "artifacts").symlink_to(ROOT / "artifacts")
-    for old in (root / "results" / "measured").glob("cpu-*/reproduce"):  # this host's committed CPU matrix
-        for path in old.glob("*.json"):
-            path.unlink()
     params = tmp_path / "small.yaml"
-    params.write_text("configurations: [plain, mtp-k1]\nrepeats: 2\nmax_tokens: 16\nparallel: 1\nprompt_tokens: 256\n")
-    command = ["make", "run", "CHAPTER=reproduce", f"PARAMS={params}", "ENV=cpu", f"VENV={Path(sys.prefix)}"]
-    records = lambda: sorted((root / "results" / "measured").glob("cpu-*/reproduce/*.json"))  # noqa: E731
+    params.write_text("configurations: [plain, mtp-k3]\nrepeats: 2\nmax_tokens: 16\nignore_eos: true\nparallel: 1\n"
+                      "prompt_tokens: 256\n")
+    command = ["make", "run", "CHAPTER=reproduce", f"PARAMS={params}", "ENV=cpu", f"MODEL={folder}",
+               f"VENV={Path(sys.prefix)}"]
+    records = lambda: sorted((root / "results" / "measured").glob("cpu-*/reproduce/*tiny-shape*.json"))  # noqa: E731
     log = tmp_path / "first.log"
     first = subprocess.Popen(command, cwd=root, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 900
@@ -676,13 +653,18 @@ def test_make_run_killed_mid_matrix_resumes_and_writes_each_record_once(tmp_path
     assert len(before) < 2, "the kill came after the matrix had finished"
     second = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=1500)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    after = records()
-    configurations = sorted(read_record(p)["parameters"]["configuration"] for p in after)
-    assert configurations == ["mtp-k1", "plain"]  # one record each
-    for path in after:
-        record = validate_record(read_record(path))
-        assert record["results"]["status"] == "ok" and len(record["results"]["repeats"]) == 2, path.name
-    assert all(after_path.read_bytes() == before[after_path.name] for after_path in after if after_path.name in before)
+    after = {read_record(p)["parameters"]["configuration"]: validate_record(read_record(p)) for p in records()}
+    assert sorted(after) == ["mtp-k3", "plain"]  # one record each
+    for record in after.values():
+        results = record["results"]
+        assert results["status"] == "ok" and results["runs_stopped"] == 0
+        assert [x["output_tokens"] for x in results["repeats"]] == [16, 16]
+        assert record["parameters"]["model"] == qwen_shapes.model_label("ignored", str(folder))
+        assert record["parameters"]["ignore_eos"] is True
+        assert "tiny-shape-checkpoint-random-weight-shape-seed-3" in record["id"]
+        assert record["fingerprint"]["model_sha256"] == model_digest(str(folder))
+    assert after["mtp-k3"]["results"]["repeats"][0]["speculation"]["num_draft_tokens"] > 0  # the MTP head drafted
+    assert all(path.read_bytes() == before[path.name] for path in records() if path.name in before)
     executed = (root / "_build" / "runs" / "reproduce.ipynb").read_text()  # the run's log is in its notebook
     assert re.search(r"plain: recorded earlier \(ok\), skipped", executed), executed[-2000:]
     assert not list((root / "results").rglob(".*.tmp-write")), "a half-written record was left behind"
