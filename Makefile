@@ -103,10 +103,11 @@ list check stale: check-setup
 	$(PY) -m spectie $@
 
 # K=<expression> selects tests (pytest -k); a selection that matches nothing is said, not failed. The tests run in
-# TEST_WORKERS processes (pytest-xdist), a file per process at a time; the book is built once for all of them.
+# TEST_WORKERS processes (pytest-xdist), a file per process at a time, the longest files first (tests/conftest.py);
+# the book is built once for all of them.
 TEST_WORKERS ?= 2
 test: setup
-	@status=0; $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests $(if $(K),-k "$(K)") || status=$$?; \
+	@status=0; $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests $(if $(K),-k "$(K)") || status=$$?; \
 	if [ $$status -eq 5 ] && [ -n "$(K)" ]; then echo "no test matches K=$(K)"; status=0; fi; exit $$status
 
 clean:

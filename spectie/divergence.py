@@ -187,16 +187,6 @@ class Scorer:
 _SCORERS: dict[tuple, Scorer] = {}
 
 
-def _tokenizer(path: str):
-    """The checkpoint's tokenizer, loaded once per process."""
-    from transformers import AutoTokenizer
-
-    if path not in _TOKENIZERS:
-        _TOKENIZERS[path] = AutoTokenizer.from_pretrained(path)
-    return _TOKENIZERS[path]
-
-
-_TOKENIZERS: dict[str, object] = {}
 
 
 def scorer(path: str, device: str = "cpu", serving_dtype: str = "bfloat16") -> Scorer:
@@ -221,6 +211,7 @@ def classify(model: str, prompt_ids: list[int], tokens_a: list[int], tokens_b: l
     from spectie.model import check_device, end_of_text_ids, resolve_model, torch_dtype
     from spectie.engines.runner import first_divergence
     from spectie.tiestop import threshold_for_model
+    from spectie.tokenizer import model_tokenizer
 
     check_device(device)
     torch_dtype(serving_dtype)
@@ -244,7 +235,7 @@ def classify(model: str, prompt_ids: list[int], tokens_a: list[int], tokens_b: l
     elif index == len(tokens_b) < len(tokens_a):
         tokens_b = tokens_b + eos_ids[:1]
     stopped, stop_position = stop_where_other_goes_on(tokens_a, tokens_b, eos_ids)
-    tokenizer = _tokenizer(path)
+    tokenizer = model_tokenizer(path)
     decode = lambda token: tokenizer.decode([token])  # noqa: E731
     a, b = tokens_a[index], tokens_b[index]
     origin = "given"

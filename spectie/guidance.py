@@ -126,13 +126,13 @@ def batch_invariant_text(runs: list[dict], baseline: dict | None) -> str:
 def planted_bug(model: str = "organism", prompt_tokens: int = 1845, seed: int = 0, new_tokens: int = 96,
                 corrupt_at: int = 0) -> tuple[list[int], list[int], list[int]]:
     """The prompt, plain bf16 greedy output, and the output with GDN states lost from `corrupt_at` on."""
-    from transformers import AutoTokenizer
+    from spectie.tokenizer import model_tokenizer
 
     from spectie.model import greedy_generate, load_model, reference_gdn_kernels, resolve_model
     from spectie.prompts import PromptSpec, build_prompt
 
     path = resolve_model(model)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = model_tokenizer(path)
     prompt = list(build_prompt(PromptSpec(tokens=prompt_tokens, seed=seed), tokenizer).token_ids)
     eos = [tokenizer.convert_tokens_to_ids("<|endoftext|>")]
     with reference_gdn_kernels():
@@ -144,9 +144,9 @@ def planted_bug(model: str = "organism", prompt_tokens: int = 1845, seed: int = 
 
 def row_counts(records: list[dict], model_path: str, marker: str = "[DATA]") -> list[dict]:
     """The integrity check a caller can make: data rows in each run's output (first repeat)."""
-    from transformers import AutoTokenizer
+    from spectie.tokenizer import model_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = model_tokenizer(model_path)
     rows = []
     for record in records:
         if record["results"]["repeats"]:

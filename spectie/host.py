@@ -13,6 +13,7 @@ check is strict: `check(..., strict=True)`, which `make run` asks for with SPECT
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from spectie.errors import UsageError
 from spectie.fingerprint import host_memory
@@ -49,16 +50,40 @@ def model_parameters(model: str) -> int:
 
     if model in qwen_shapes.SHAPES:
         return qwen_shapes.parameter_count(model)
-    from transformers import AutoConfig
-
-    from spectie.model import parameter_count, resolve_model
+    from spectie.model import resolve_model
 
     path = resolve_model(model)
+    counted = release_parameters(Path(path))
+    if counted:
+        return counted
+    from transformers import AutoConfig
+
+    from spectie.model import parameter_count
+
     try:
         config = AutoConfig.from_pretrained(path)
     except Exception as error:  # noqa: BLE001 - any failure here means the chapter cannot load it either
         raise UsageError(f"cannot read the config of model {model!r} ({path}): {error}") from None
     return parameter_count(getattr(config, "text_config", config))
+
+
+def release_parameters(folder: Path) -> int | None:
+    """The causal LM's parameters in a folder of safetensors in Qwen3.5's release layout, from the files' headers
+    (transformers builds the same count from the config, but takes seconds to import): the language model and
+    its head, without the MTP head (`mtp.*`) and the vision tower (`model.visual.*`), which the causal LM does
+    not hold. None for any other folder."""
+    import json
+    import math
+    import struct
+
+    shapes = {}
+    for file in sorted(folder.glob("*.safetensors")) if folder.is_dir() else ():
+        with file.open("rb") as handle:
+            header = json.loads(handle.read(struct.unpack("<Q", handle.read(8))[0]))
+        shapes.update({name: entry["shape"] for name, entry in header.items() if name != "__metadata__"})
+    if not any(name.startswith("model.language_model.") for name in shapes):
+        return None
+    return sum(math.prod(shape) for name, shape in shapes.items() if not name.startswith(("mtp.", "model.visual.")))
 
 
 def check(chapter: str, environment: dict, parameters: dict, *, strict: bool = False) -> list[str]:

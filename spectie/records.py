@@ -148,16 +148,37 @@ def recorded_measurement(path: str | os.PathLike, key: str) -> dict | None:
     return None if record["results"].get("status") == "interrupted" else record
 
 
-def record_paths(results_dir: str | os.PathLike | None = None) -> list[Path]:
-    """Every record file under results/ (temporary files of interrupted writes are not records)."""
+def record_paths(results_dir: str | os.PathLike | None = None, chapter: str | None = None,
+                 provenance: str | None = None) -> list[Path]:
+    """Every record file under results/ (temporary files of interrupted writes are not records), or only those of
+    one `chapter` or `provenance`, found by where such records live (`misplaced` holds every record to it):
+    reported records under results/reported/, measured ones in results/measured/<environment>-<host id>/<chapter>/."""
     results_dir = Path(results_dir) if results_dir else project_root() / "results"
-    return sorted(p for p in results_dir.rglob(f"*{RECORD_SUFFIX}") if not p.name.startswith("."))
+    if chapter is None and provenance is None:
+        found = results_dir.rglob(f"*{RECORD_SUFFIX}")
+    else:
+        found = [*((results_dir / "reported").rglob(f"*{RECORD_SUFFIX}") if provenance in (None, "reported") else ()),
+                 *(results_dir.glob(f"measured/*/{chapter or '*'}/*{RECORD_SUFFIX}") if provenance in (None, "measured")
+                   else ())]
+    return sorted(p for p in found if not p.name.startswith("."))
 
 
-def check_records(results_dir: str | os.PathLike | None = None) -> tuple[list[dict], list[RecordError]]:
-    """Read every record file under results/; return the valid records and every problem found."""
+def misplaced(record: dict, path: Path, results_dir: Path) -> str | None:
+    """Why a valid record at `path` is not where records of its kind live (None where it is): a reported record
+    belongs under results/reported/, a measured one at `measured_path`."""
+    if record["provenance"] == "reported":
+        return None if (results_dir / "reported") in path.parents else "a reported record outside results/reported/"
+    expected = measured_path(record, results_dir)
+    return None if path.resolve() == expected.resolve() else f"a measured record belongs at {expected}"
+
+
+def check_records(results_dir: str | os.PathLike | None = None, chapter: str | None = None,
+                  provenance: str | None = None) -> tuple[list[dict], list[RecordError]]:
+    """Read every record file under results/ (or those of one chapter or provenance, `record_paths`); return the
+    valid records and every problem found."""
+    results_dir = Path(results_dir) if results_dir else project_root() / "results"
     records, problems, seen = [], [], {}
-    for path in record_paths(results_dir):
+    for path in record_paths(results_dir, chapter, provenance):
         try:
             record = read_record(path)
         except RecordError as exc:
@@ -166,17 +187,23 @@ def check_records(results_dir: str | os.PathLike | None = None) -> tuple[list[di
         if record["id"] in seen:
             problems.append(RecordError(str(path), "id", f"{record['id']!r} is also used by {seen[record['id']]}"))
             continue
+        where = misplaced(record, path, results_dir)
+        if where:
+            problems.append(RecordError(str(path), "(file)", where))
+            continue
         seen[record["id"]] = path
         records.append(record)
     return records, problems
 
 
 def load_records(results_dir: str | os.PathLike | None = None, **match) -> list[dict]:
-    """All records under results/, validated, optionally filtered by top-level fields (e.g. chapter=...).
+    """All records under results/, validated, optionally filtered by top-level fields (e.g. chapter=...). A chapter
+    or a provenance is looked for only where such records live (`record_paths`).
 
     Raises RecordError for the first invalid file or duplicated id: nothing is silently skipped.
     """
-    records, problems = check_records(results_dir)
+    narrow = {key: match[key] for key in ("chapter", "provenance") if isinstance(match.get(key), str)}
+    records, problems = check_records(results_dir, **narrow)
     if problems:
         raise problems[0]
     return [r for r in records if all(r.get(key) == value for key, value in match.items())]

@@ -55,7 +55,7 @@ def run(model: str, environment: str, count: int = 32, configurations: list[str]
         progress: bool = True, results_dir=None, max_tokens: int | None = None, log=print) -> dict:
     """Complete the prompts with the matrix's baseline and `configurations`; write and return the record."""
     from tqdm import tqdm
-    from transformers import AutoTokenizer
+    from spectie.tokenizer import model_tokenizer
 
     from spectie.engines.matrix import read_matrix
     from spectie.engines.runner import (check_matrix, engine_python, engine_fingerprint, probe_vllm,
@@ -86,7 +86,7 @@ def run(model: str, environment: str, count: int = 32, configurations: list[str]
     python = engine_python(environment)
     probe = probe_vllm(environment, python)
     check_matrix(matrix, probe)
-    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer = model_tokenizer(model)
     prompts = [list(build_prompt(spec, tokenizer).token_ids) for spec in specs]
     logs = project_root() / "_build" / "logs" / CHAPTER
     started_at = now()
@@ -201,12 +201,12 @@ def stop_vs_continue(record: dict) -> list[dict]:
 def pair(record: dict, index: int, configuration: str, model: str) -> dict:
     """The classifier's input (`spectie classify`) from a survey record: prompt `index` rebuilt from its spec with
     the model's tokenizer, `configuration`'s completion as a, the baseline's as b."""
-    from transformers import AutoTokenizer
+    from spectie.tokenizer import model_tokenizer
 
     from spectie.prompts import build_prompt
 
     row = record["results"]["prompts"][index]
-    prompt = build_prompt(PromptSpec(row["tokens"], row["seed"], row["template"]), AutoTokenizer.from_pretrained(model))
+    prompt = build_prompt(PromptSpec(row["tokens"], row["seed"], row["template"]), model_tokenizer(model))
     if len(prompt.token_ids) != row["prompt_tokens"]:
         raise UsageError(f"prompt {index} rebuilt with {model}'s tokenizer has {len(prompt.token_ids)} tokens, the "
                          f"survey's had {row['prompt_tokens']}: another tokenizer")
@@ -314,7 +314,7 @@ def inject(model: str, environment: str, count: int = 24, new_tokens: int = 200,
     stop writes (the premature end-of-text class of vLLM #41467), with the model's own logprobs; a numerical
     flip at a near-tie reports about the same margin with the sign turned."""
     from tqdm import tqdm
-    from transformers import AutoTokenizer
+    from spectie.tokenizer import model_tokenizer
 
     from spectie.chapters import current_hash
     from spectie.fingerprint import host_id, now
@@ -332,7 +332,7 @@ def inject(model: str, environment: str, count: int = 24, new_tokens: int = 200,
     if earlier is not None:
         return earlier
     started_at = now()
-    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer = model_tokenizer(model)
     eos_ids = end_of_text_ids(model, tokenizer)
     loaded = load_model(model, dtype)
     rows = []

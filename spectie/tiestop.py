@@ -90,14 +90,34 @@ class EndOfText:
 def end_of_text(model_path: str) -> EndOfText:
     """The end-of-text tokens of a model folder (or hub id): its generation config's EOS ids, else its
     tokenizer's, with the texts vLLM decodes them to."""
-    from transformers import AutoTokenizer
-
     from spectie.model import end_of_text_ids
+    from spectie.tokenizer import model_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    special = special_end_of_text(Path(model_path))
+    if special:
+        return special
+    tokenizer = model_tokenizer(model_path)
     ids = end_of_text_ids(model_path, tokenizer)
     texts = {tokenizer.decode([i]) for i in ids} | set(tokenizer.convert_ids_to_tokens(ids))
     return EndOfText(frozenset(ids), frozenset(texts))
+
+
+def special_end_of_text(folder: Path) -> EndOfText | None:
+    """`end_of_text` of a model folder whose generation config names special tokens (Qwen3.5's do), read from its
+    JSON files: a special token decodes to its own text, so the tokenizer (seconds to load for a 248k vocabulary)
+    is not needed. None where the folder does not say it that way."""
+    try:
+        eos = json.loads((folder / "generation_config.json").read_text()).get("eos_token_id")
+        text = (folder / "tokenizer.json").read_text(encoding="utf-8")
+        at = text.index("[", text.index('"added_tokens"'))
+        added, _ = json.JSONDecoder().raw_decode(text, at)  # the list alone, not the whole vocabulary
+        special = {token["id"]: token["content"] for token in added if token.get("special")}
+    except (OSError, ValueError, AttributeError, TypeError, KeyError):
+        return None
+    ids = [eos] if isinstance(eos, int) else eos
+    if not ids or not isinstance(ids, list) or not all(isinstance(i, int) and i in special for i in ids):
+        return None
+    return EndOfText(frozenset(ids), frozenset(special[i] for i in ids))
 
 
 def runner_up(step: Step) -> tuple[str | None, float]:

@@ -83,6 +83,15 @@ def load_tokenizer(path: str | None = None):
     return AutoTokenizer.from_pretrained(str(folder))
 
 
+@lru_cache(maxsize=4)
+def model_tokenizer(model_path: str):
+    """A model's own tokenizer (a folder or a hub id), loaded once per process: a Qwen3.5 tokenizer takes seconds to
+    load (248k tokens), and a chapter reads it in several steps."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
 def token_id(tokenizer, token: str) -> int:
     """The id of a single token given as text (e.g. 'DATA', '<|endoftext|>'); clear error otherwise."""
     vocab = tokenizer.get_vocab()

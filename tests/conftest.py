@@ -1,4 +1,3 @@
-import contextlib
 import copy
 import json
 import os
@@ -11,15 +10,23 @@ import pytest
 from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parent.parent
-CORES = os.cpu_count() or 1
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ... under pytest-xdist; None in a single process
 # Each test worker computes on one thread and starts its vLLM CPU engines on a core of its own: two engines that
 # both bind to core 0 (vLLM's automatic binding), or OpenMP threads of two workers on one core, spin against each
-# other.
-CORE = int(WORKER.removeprefix("gw")) % CORES if WORKER else None
+# other. (A build that measures this host from nothing places its survey engines itself, one per core.)
 if WORKER:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(CORE)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(int(WORKER.removeprefix("gw")) % (os.cpu_count() or 1))
+
+# The test files that take longest (pytest --durations), first: the workers take whole files in this order, so the
+# long ones start at once and the workers end together instead of one waiting for the other's last long file.
+SLOW_FILES = ["test_reproduce.py", "test_tiestop.py", "test_book.py", "test_divergence.py", "test_cli_fuzz.py",
+              "test_organism.py", "test_host_survey.py", "test_reduction_order.py", "test_qwen_shapes.py"]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order is kept
 
 
 @pytest.fixture
@@ -90,21 +97,6 @@ def shared_dir(tmp_path_factory) -> Path:
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
-def core_locks(tmp_path_factory, cores) -> list[FileLock]:
-    """Locks on CPU cores, seen by every test worker of this run."""
-    return [FileLock(shared_dir(tmp_path_factory) / f"core-{core}.lock") for core in cores]
-
-
-@pytest.fixture
-def own_core(tmp_path_factory):
-    """The core this worker's vLLM engines run on, held while a test starts engines: a build that starts engines
-    takes every core (a single process, without pytest-xdist, has them all)."""
-    with contextlib.ExitStack() as held:
-        for lock in core_locks(tmp_path_factory, [CORE] if WORKER else range(CORES)):
-            held.enter_context(lock)
-        yield
-
-
 @pytest.fixture(scope="session")
 def built(tmp_path_factory):
     """A copy of the project, built once for every test that reads the book or the records a build writes (once
@@ -126,10 +118,7 @@ def built(tmp_path_factory):
                 shutil.copy2(executed, root / "book" / "generated" / executed.name)
             (root / "artifacts").symlink_to(ROOT / "artifacts")  # built by `make setup`, like the environment
             stale, _ = stale_chapters(root)
-            with contextlib.ExitStack() as held:  # a chapter whose records are missing starts vLLM engines
-                for lock in core_locks(tmp_path_factory, range(CORES)):
-                    held.enter_context(lock)
-                result = make("build", root)
+            result = make("build", root)
             kept.write_text(json.dumps({"root": str(root), "stale": stale, "args": result.args,
                                         "returncode": result.returncode, "stdout": result.stdout,
                                         "stderr": result.stderr}))

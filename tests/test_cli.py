@@ -34,18 +34,23 @@ def test_bad_parameters(tmp_path):
 
 
 def test_check_names_the_bad_file_and_field(tmp_path, reported_record):
-    (tmp_path / "ok.json").write_text(json.dumps(reported_record))
+    reported = tmp_path / "reported"
+    reported.mkdir()
+    (reported / "ok.json").write_text(json.dumps(reported_record))
     assert spectie("check", "--results-dir", str(tmp_path)).returncode == 0
+    (tmp_path / "stray.json").write_text(json.dumps(dict(reported_record, id="stray")))
     reported_record["id"] = "other"
     reported_record["environments"] = ["mars"]
-    (tmp_path / "unknown-env.json").write_text(json.dumps(reported_record))
+    (reported / "unknown-env.json").write_text(json.dumps(reported_record))
     reported_record["id"] = "bad"
     reported_record["results"]["stopped_early"] = "yes"
-    (tmp_path / "bad.json").write_text(json.dumps(reported_record))
+    (reported / "bad.json").write_text(json.dumps(reported_record))
     result = spectie("check", "--results-dir", str(tmp_path))
     assert result.returncode == 1
     assert "bad.json: field 'results.stopped_early': 'yes' is not of type 'boolean'" in result.stderr
     assert "names unknown environment 'mars'" in result.stderr
+    # A chapter's records are looked for only where they live (records.record_paths): one elsewhere is named.
+    assert "stray.json: field '(file)': a reported record outside results/reported/" in result.stderr
 
 
 def test_the_committed_records_check_clean():

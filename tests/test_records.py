@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from spectie.records import RecordError, check_records, load_records, read_record, validate_record, write_record
+from spectie.records import (RecordError, check_records, load_records, measured_path, read_record, validate_record,
+                             write_record)
 
 
 def test_incident_records_and_a_measured_record_validate(reported_record, measured_record):
@@ -102,7 +103,7 @@ write_record(record, sys.argv[1])
 
 
 def test_killing_a_writer_mid_write_leaves_the_old_record(tmp_path, reported_record):
-    path = tmp_path / "r.json"
+    path = tmp_path / "reported" / "r.json"
     write_record(reported_record, path)
     before = path.read_text()
     ready = tmp_path / "ready"
@@ -113,7 +114,7 @@ def test_killing_a_writer_mid_write_leaves_the_old_record(tmp_path, reported_rec
             assert writer.poll() is None, "the writer exited before the rename"
             assert time.time() < deadline, "the writer never reached the rename"
             time.sleep(0.05)
-        temporaries = [p for p in tmp_path.iterdir() if p.name.startswith(".r.json.")]
+        temporaries = [p for p in path.parent.iterdir() if p.name.startswith(".r.json.")]
         assert temporaries and temporaries[0].stat().st_size > 800000  # the new content was written...
     finally:
         writer.send_signal(signal.SIGKILL)
@@ -124,11 +125,11 @@ def test_killing_a_writer_mid_write_leaves_the_old_record(tmp_path, reported_rec
 
 
 def test_reading_reports_a_broken_file_by_name_and_field(tmp_path, reported_record):
-    write_record(reported_record, tmp_path / "good.json")
-    (tmp_path / "not-json.json").write_text("{ nope")
+    write_record(reported_record, tmp_path / "reported" / "good.json")
+    (tmp_path / "reported" / "not-json.json").write_text("{ nope")
     bad = dict(reported_record, id="bad")
     bad["results"] = dict(bad["results"], runs_stopped="ten")
-    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    (tmp_path / "reported" / "bad.json").write_text(json.dumps(bad))
     records, problems = check_records(tmp_path)
     assert [r["id"] for r in records] == [reported_record["id"]]
     messages = sorted(str(p) for p in problems)
@@ -138,9 +139,27 @@ def test_reading_reports_a_broken_file_by_name_and_field(tmp_path, reported_reco
         load_records(tmp_path)
 
 
+def test_a_chapters_records_are_read_where_they_live(tmp_path, measured_record, reported_record):
+    """load_records(chapter=...) reads only results/reported/ and that chapter's folders of results/measured/; a
+    record elsewhere is a problem `spectie check` names, so a narrowed read misses nothing that checks clean."""
+    placed = write_record(measured_record, measured_path(measured_record, tmp_path))
+    write_record(reported_record, tmp_path / "reported" / "incident" / "r.json")
+    both = sorted([measured_record["id"], reported_record["id"]])  # both of the chapter `incident`
+    assert sorted(r["id"] for r in load_records(tmp_path, chapter="incident")) == both
+    assert [r["id"] for r in load_records(tmp_path, provenance="reported")] == [reported_record["id"]]
+    assert sorted(r["id"] for r in load_records(tmp_path)) == both
+    elsewhere = placed.parent.parent / "margins" / placed.name
+    elsewhere.parent.mkdir()
+    placed.rename(elsewhere)
+    assert [r["id"] for r in load_records(tmp_path, chapter="incident")] == [reported_record["id"]]
+    records, problems = check_records(tmp_path)
+    assert [r["id"] for r in records] == [reported_record["id"]]
+    assert [str(p) for p in problems] == [f"{elsewhere}: field '(file)': a measured record belongs at {placed}"]
+
+
 def test_two_records_with_one_id_are_an_error(tmp_path, reported_record):
-    write_record(reported_record, tmp_path / "a.json")
-    write_record(reported_record, tmp_path / "b.json")
+    write_record(reported_record, tmp_path / "reported" / "a.json")
+    write_record(reported_record, tmp_path / "reported" / "b.json")
     with pytest.raises(RecordError, match="also used by"):
         load_records(tmp_path)
 

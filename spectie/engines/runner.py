@@ -61,19 +61,44 @@ def child_environment(extra: dict | None = None) -> dict:
 
 
 def probe_vllm(environment: str, python: Path | None = None) -> dict:
-    """vLLM's version, platform, engine arguments and speculative methods, from the target interpreter."""
+    """vLLM's version, platform, engine arguments and speculative methods, from the target interpreter (read once
+    per installation: importing vLLM takes seconds; `probe_key` says when it is read again)."""
     python = python or engine_python(environment)
     hint = ("run `make setup` (installs the CPU build of vLLM on x86-64 Linux without a GPU)" if environment == "cpu"
             else f"run `make venv ENV={environment}` (installs that environment's vLLM into .venvs/{environment})")
     if not python.exists():
         raise UsageError(f"environment {environment!r}: no interpreter at {python}; {hint}")
+    key = probe_key(python)
+    kept = project_root() / "_build" / "probes" / f"{key}.json" if key else None
+    if kept and kept.is_file():
+        return json.loads(kept.read_text())
     result = subprocess.run([str(python), "-m", "spectie.engines.child", "probe"], capture_output=True, text=True,
                             env=child_environment(), timeout=600)
     for line in result.stdout.splitlines():
         if line.startswith(MARKER):
+            if kept:
+                kept.parent.mkdir(parents=True, exist_ok=True)
+                kept.write_text(line[len(MARKER):])
             return json.loads(line[len(MARKER):])
     tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-5:])
     raise UsageError(f"environment {environment!r}: vLLM does not import in {python}; {hint}\n{tail}")
+
+
+def probe_key(python: Path) -> str | None:
+    """What a probe depends on: the interpreter, the packages installed beside it (their names carry their
+    versions), the probing code, this machine and the GPUs it is shown. None where the packages cannot be listed
+    (then every call probes)."""
+    import hashlib
+
+    from spectie.fingerprint import host_id
+
+    packages = sorted(p.name for p in Path(python).parent.parent.glob("lib/python*/site-packages/*.dist-info"))
+    if not packages:
+        return None
+    probing = (Path(__file__).parent / "child.py").read_bytes()
+    seen = [str(Path(python).resolve()), str(Path(python).absolute()), host_id(),
+            os.environ.get("CUDA_VISIBLE_DEVICES", ""), *packages]
+    return hashlib.sha256("\n".join(seen).encode() + probing).hexdigest()[:16]
 
 
 def check_matrix(matrix: Matrix, probe: dict, extra_engine: dict | None = None) -> None:
@@ -127,12 +152,11 @@ def check_seeds(seeds) -> list[int]:
 
 def build_prompt(model_path: str, tokens: int, seed: int, template: str):
     """The #3 prompt (a `[DATA]` listing cut after `name=`) in the model's own tokenizer."""
-    from transformers import AutoTokenizer
-
     from spectie.prompts import PromptSpec, build_prompt as build
+    from spectie.tokenizer import model_tokenizer
 
     spec = PromptSpec(tokens=tokens, seed=seed, template=template).check()
-    return build(spec, AutoTokenizer.from_pretrained(model_path))
+    return build(spec, model_tokenizer(model_path))
 
 
 # ---------------------------------------------------------------------------------------- running
