@@ -199,13 +199,13 @@ def _cmd_fixes(args) -> int:
 
     from spectie import fixes
 
-    record = fixes.ledger_record()  # read from the committed ledger; a query writes nothing
     if args.vllm is not None:
         version, distribution = fixes.release_of(args.vllm), "vllm"  # an empty or malformed version is refused
     else:
         version, distribution = fixes.installed_version()
     if not version:
         raise UsageError("no vLLM is installed here: give the version to check with --vllm X.Y.Z")
+    record = fixes.ledger_record()  # read from the committed ledger once the version is known good; writes nothing
     rows = fixes.fixes_for(record, version)
     if args.json:
         print(json.dumps(rows))

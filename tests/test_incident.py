@@ -17,7 +17,7 @@ NUMBER = re.compile(r"\d+(?:\.\d+)*")
 
 @pytest.fixture(scope="module")
 def records():
-    return load_records(ROOT / "results" / "reported")
+    return load_records(ROOT / "results", provenance="reported")
 
 
 def _numbers(text: str) -> set[str]:

@@ -215,9 +215,9 @@ def test_real_vllm_serve_responses_are_read(tmp_path):
                 time.sleep(2)
         prompt = build_prompt(PromptSpec(tokens=512, seed=2), AutoTokenizer.from_pretrained(model))
         completion = post(f"{base}/v1/completions", {"model": "organism", "prompt": list(prompt.token_ids),
-                                                     "max_tokens": 96, "temperature": 0, "logprobs": 2})
+                                                     "max_tokens": 24, "temperature": 0, "logprobs": 2})
         chat = post(f"{base}/v1/chat/completions", {
-            "model": "organism", "max_tokens": 96, "temperature": 0, "logprobs": True, "top_logprobs": 2,
+            "model": "organism", "max_tokens": 24, "temperature": 0, "logprobs": True, "top_logprobs": 2,
             "messages": [{"role": "user", "content": prompt.text[-400:]}]})
         # Two stops on purpose: the caller's stop token ("\n", id 198), and end-of-text pushed up by a logit
         # bias (logprobs are vLLM's raw ones, before the bias: the margin is read, its sign is not asserted).
