@@ -274,7 +274,8 @@ def test_make_run_on_a_new_environment_becomes_a_new_column(built, tmp_path):
     (root / "environments" / "laptop.yaml").write_text(
         cpu.replace("id: cpu", "id: laptop", 1).replace("title: Local CPU (default; laptops and CI)", "title: A laptop"))
     params = tmp_path / "small.yaml"
-    params.write_text("sweep_prompts: 3\nsweep_prompt_tokens: 128\nsweep_new_tokens: 8\ndecision_prompts: 2\n")
+    params.write_text("prompt_tokens: 512\nmax_new_tokens: 16\ncompare_dtypes: [float32, bfloat16]\nsweep_prompts: 3\n"
+                      "sweep_prompt_tokens: 128\nsweep_new_tokens: 8\ndecision_prompts: 2\n")  # small: the flow is tested
     result = make("run", root, "CHAPTER=margins", f"PARAMS={params}", "ENV=laptop")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "host check: GPU: none" in result.stdout and "host check: model: organism, needs about" in result.stdout
