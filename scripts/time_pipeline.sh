@@ -39,8 +39,11 @@ open(path, "w").write("\n".join(lines))
 PY
 step env-edit-build make build
 git checkout -q -- "$env_file"
-printf '\n%-52s %8s %8s  %s\n' "what" "seconds" "target" "status"
-row() { printf '%-52s %8s %8s  %s\n' "$1" "${seconds[$2]}" "$3" "${status[$2]}"; }
+printf '\n%-52s %8s %8s  %-11s %s\n' "what" "seconds" "target" "target met" "status"
+row() {  # row LABEL STEP TARGET
+  local met=yes; [ "${seconds[$2]}" -le "$3" ] || met=NO
+  printf '%-52s %8s %8s  %-11s %s\n' "$1" "${seconds[$2]}" "$3" "$met" "${status[$2]}"
+}
 row "fresh clone: make setup && make test" fresh 600
 row "make build from clean" clean-build 480
 row "make test, book built and current" built-test 240
