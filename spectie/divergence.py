@@ -100,8 +100,7 @@ def scores(path: str, prompt_ids: list[int], tokens_a: list[int], tokens_b: list
     `index` from their shared context, the same in the serving precision, fp32's top-1 there and the two tokens'
     ranks, and how far each token of both sequences trails fp32's top-1 from its own context. Computed once on a
     host (kept in SCORES_DIR): the chapter, the tests and the command line read the same scores."""
-    import os
-    import tempfile
+    from spectie.records import write_text_atomic
 
     kept = _scores_file(path, prompt_ids, tokens_a, tokens_b, device, serving_dtype)
     if kept is not None and kept.is_file():
@@ -116,12 +115,8 @@ def scores(path: str, prompt_ids: list[int], tokens_a: list[int], tokens_b: list
     result = {"margin": float(row[a] - row[b]), "served_margin": float(served[a] - served[b]), "top1": order[0],
               "rank_a": order.index(a) + 1, "rank_b": order.index(b) + 1,
               "gaps_a": gaps(rows_a, tokens_a), "gaps_b": gaps(rows_b, tokens_b)}
-    if kept is not None:  # written whole or not at all
-        kept.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=kept.parent, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(result, f)
-        os.replace(tmp, kept)
+    if kept is not None:
+        write_text_atomic(kept, json.dumps(result))
     return result
 
 
@@ -185,8 +180,6 @@ class Scorer:
 
 
 _SCORERS: dict[tuple, Scorer] = {}
-
-
 
 
 def scorer(path: str, device: str = "cpu", serving_dtype: str = "bfloat16") -> Scorer:

@@ -126,10 +126,9 @@ def batch_invariant_text(runs: list[dict], baseline: dict | None) -> str:
 def planted_bug(model: str = "organism", prompt_tokens: int = 1845, seed: int = 0, new_tokens: int = 96,
                 corrupt_at: int = 0) -> tuple[list[int], list[int], list[int]]:
     """The prompt, plain bf16 greedy output, and the output with GDN states lost from `corrupt_at` on."""
-    from spectie.tokenizer import model_tokenizer
-
     from spectie.model import greedy_generate, load_model, reference_gdn_kernels, resolve_model
     from spectie.prompts import PromptSpec, build_prompt
+    from spectie.tokenizer import model_tokenizer
 
     path = resolve_model(model)
     tokenizer = model_tokenizer(path)

@@ -94,9 +94,13 @@ def measured_record(*, record_id: str, kind: str, chapter: str, title: str, envi
 
 def write_record(record: dict, path: str | os.PathLike) -> Path:
     """Validate `record` and write it to `path` atomically; an earlier record there survives any failure."""
-    path = Path(path)
     validate_record(record, where=str(path))
-    text = json.dumps(record, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    return write_text_atomic(path, json.dumps(record, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write `text` to `path` whole or not at all: what was there before survives any failure or kill."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp-write")
     try:

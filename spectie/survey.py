@@ -55,7 +55,6 @@ def run(model: str, environment: str, count: int = 32, configurations: list[str]
         progress: bool = True, results_dir=None, max_tokens: int | None = None, log=print) -> dict:
     """Complete the prompts with the matrix's baseline and `configurations`; write and return the record."""
     from tqdm import tqdm
-    from spectie.tokenizer import model_tokenizer
 
     from spectie.engines.matrix import read_matrix
     from spectie.engines.runner import (check_matrix, engine_python, engine_fingerprint, probe_vllm,
@@ -64,6 +63,7 @@ def run(model: str, environment: str, count: int = 32, configurations: list[str]
     from spectie.paths import project_root
     from spectie.prompts import build_prompt
     from spectie.records import measured_path, measured_record, write_record
+    from spectie.tokenizer import model_tokenizer
 
     from spectie.chapters import current_hash
 
@@ -201,9 +201,8 @@ def stop_vs_continue(record: dict) -> list[dict]:
 def pair(record: dict, index: int, configuration: str, model: str) -> dict:
     """The classifier's input (`spectie classify`) from a survey record: prompt `index` rebuilt from its spec with
     the model's tokenizer, `configuration`'s completion as a, the baseline's as b."""
-    from spectie.tokenizer import model_tokenizer
-
     from spectie.prompts import build_prompt
+    from spectie.tokenizer import model_tokenizer
 
     row = record["results"]["prompts"][index]
     prompt = build_prompt(PromptSpec(row["tokens"], row["seed"], row["template"]), model_tokenizer(model))
@@ -314,13 +313,13 @@ def inject(model: str, environment: str, count: int = 24, new_tokens: int = 200,
     stop writes (the premature end-of-text class of vLLM #41467), with the model's own logprobs; a numerical
     flip at a near-tie reports about the same margin with the sign turned."""
     from tqdm import tqdm
-    from spectie.tokenizer import model_tokenizer
 
     from spectie.chapters import current_hash
     from spectie.fingerprint import host_id, now
     from spectie.model import end_of_text_ids, load_model, torch_dtype
     from spectie.prompts import build_prompt
     from spectie.records import measured_path, measured_record, write_record
+    from spectie.tokenizer import model_tokenizer
 
     check_new_tokens(new_tokens)
     torch_dtype(dtype)

@@ -90,12 +90,12 @@ class EndOfText:
 def end_of_text(model_path: str) -> EndOfText:
     """The end-of-text tokens of a model folder (or hub id): its generation config's EOS ids, else its
     tokenizer's, with the texts vLLM decodes them to."""
-    from spectie.model import end_of_text_ids
-    from spectie.tokenizer import model_tokenizer
-
     special = special_end_of_text(Path(model_path))
     if special:
         return special
+    from spectie.model import end_of_text_ids
+    from spectie.tokenizer import model_tokenizer
+
     tokenizer = model_tokenizer(model_path)
     ids = end_of_text_ids(model_path, tokenizer)
     texts = {tokenizer.decode([i]) for i in ids} | set(tokenizer.convert_ids_to_tokens(ids))

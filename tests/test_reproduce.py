@@ -87,6 +87,31 @@ def fake_engine(tmp_path, monkeypatch):
     return script
 
 
+def test_the_probe_is_kept_per_installation_and_read_again_when_it_changes_or_is_unreadable(tmp_path, monkeypatch):
+    """vLLM's probe is kept in _build/probes/: a second run reads it; a package installed beside the interpreter, or
+    a kept probe that cannot be read (a run killed while writing it), makes the next run probe again."""
+    from spectie.engines.child import MARKER
+
+    venv = tmp_path / "venv"
+    packages = venv / "lib" / "python3.11" / "site-packages"
+    (packages / "vllm-0.0.fake.dist-info").mkdir(parents=True)
+    calls = tmp_path / "calls"
+    python = venv / "bin" / "python"
+    python.parent.mkdir()
+    python.write_text(f"#!/bin/sh\necho x >> {calls}\necho '{MARKER}{json.dumps(PROBE)}'\n")
+    python.chmod(python.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setattr(runner, "project_root", lambda: tmp_path)
+    probes = lambda: len(calls.read_text().splitlines())  # noqa: E731
+    assert runner.probe_vllm("cpu", python) == PROBE and probes() == 1
+    assert runner.probe_vllm("cpu", python) == PROBE and probes() == 1  # kept
+    [kept] = (tmp_path / "_build" / "probes").glob("*.json")
+    kept.write_text('{"vllm_version": "0.0.fa')
+    assert runner.probe_vllm("cpu", python) == PROBE and probes() == 2
+    assert json.loads(kept.read_text()) == PROBE
+    (packages / "torch-9.9.dist-info").mkdir()
+    assert runner.probe_vllm("cpu", python) == PROBE and probes() == 3
+
+
 def run_fake(tmp_path, matrix_path, prompts=None, log=lambda *_: None, **kwargs):
     matrix = read_matrix(matrix_path)
     return runner.run_matrix(matrix, "model", prompts or {0: [1, 2, 3]}, "cpu", PROBE, "0" * 64,

@@ -70,16 +70,20 @@ def probe_vllm(environment: str, python: Path | None = None) -> dict:
         raise UsageError(f"environment {environment!r}: no interpreter at {python}; {hint}")
     key = probe_key(python)
     kept = project_root() / "_build" / "probes" / f"{key}.json" if key else None
-    if kept and kept.is_file():
+    try:
         return json.loads(kept.read_text())
+    except (AttributeError, OSError, ValueError):  # none kept (or unreadable): probe
+        pass
     result = subprocess.run([str(python), "-m", "spectie.engines.child", "probe"], capture_output=True, text=True,
                             env=child_environment(), timeout=600)
     for line in result.stdout.splitlines():
         if line.startswith(MARKER):
+            probe = line[len(MARKER):]
             if kept:
-                kept.parent.mkdir(parents=True, exist_ok=True)
-                kept.write_text(line[len(MARKER):])
-            return json.loads(line[len(MARKER):])
+                from spectie.records import write_text_atomic
+
+                write_text_atomic(kept, probe)
+            return json.loads(probe)
     tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-5:])
     raise UsageError(f"environment {environment!r}: vLLM does not import in {python}; {hint}\n{tail}")
 
