@@ -7,6 +7,7 @@ internal error (a bug in spectie: its traceback, then one line)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from pathlib import Path
@@ -312,8 +313,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@functools.cache
+def _parser() -> argparse.ArgumentParser:
+    """The parser, built once per process (parsing leaves it as it was)."""
+    return build_parser()
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)  # a usage error exits 2 (argparse)
+    args = _parser().parse_args(argv)  # a usage error exits 2 (argparse)
     try:
         return args.func(args)
     except UsageError as exc:

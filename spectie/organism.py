@@ -120,7 +120,8 @@ def full_vocab_loss(hidden, lm_head_weight, targets, log_background: float):
 
 def train(out_dir: str | Path, steps: int | None = None, device: str = "cpu", tokens: int | None = None,
           log=print) -> Path:
-    """Train the organism from its seed and save it as a Qwen3.5 release checkpoint in `out_dir`.
+    """Train the organism from its seed and save it as a Qwen3.5 release checkpoint in `out_dir`. `steps`: that
+    many steps in every phase and for the MTP head instead of the recipe's (a quick check that the recipe runs).
 
     On one machine the result is bit-identical from run to run; another CPU type (or a GPU) can round
     differently and give other weights, which is why the organism is pinned (`sources/organism.tar.xz`).
@@ -180,11 +181,13 @@ def train(out_dir: str | Path, steps: int | None = None, device: str = "cpu", to
     model.load_state_dict(average)
     seconds = time.time() - started
     log(f"organism: trained in {seconds:.0f} s, final loss {sum(losses[-20:]) / len(losses[-20:]):.4f}")
-    mtp = train_mtp(model, data, log_background, TRAINING["mtp_steps"], log=log)
+    mtp_steps = steps or TRAINING["mtp_steps"]
+    mtp = train_mtp(model, data, log_background, mtp_steps, log=log)
     model.cpu()
     mtp.modules.cpu()
     return export(model, used, out_dir, tokenizer_dir(), mtp=mtp, metadata={
-        "seed": SEED, "device": device, "training": dict(TRAINING, phases=phases), "train_seconds": round(seconds, 1),
+        "seed": SEED, "device": device, "training": dict(TRAINING, phases=phases, mtp_steps=mtp_steps),
+        "train_seconds": round(seconds, 1),
         "loss_first": losses[0], "loss_last20": sum(losses[-20:]) / len(losses[-20:]), "trained_token_ids": used,
         "stop_probability": STOP_PROBABILITY, "trained_on": _this_machine(),
     })

@@ -52,9 +52,10 @@ def deep_copy():
     return copy.deepcopy
 
 
-def copy_project(destination: Path) -> Path:
-    """Copy the project's own files (tracked or not ignored) into `destination`, as a clone would have."""
-    import shutil
+def copy_project(destination: Path, probes: bool = False) -> Path:
+    """Copy the project's own files (tracked or not ignored) into `destination`, as a clone would have. `probes`:
+    with this checkout's kept vLLM probes (_build/probes: one per installation, keyed by what it read), so a
+    copy that runs engines does not probe the same installation again."""
     import subprocess
 
     files = subprocess.run(
@@ -67,6 +68,8 @@ def copy_project(destination: Path) -> Path:
             target = destination / name
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, target)
+    if probes and (ROOT / "_build" / "probes").is_dir():
+        shutil.copytree(ROOT / "_build" / "probes", destination / "_build" / "probes")
     return destination
 
 

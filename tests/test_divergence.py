@@ -128,17 +128,32 @@ def test_bad_input_is_refused_before_any_model_loads():
 
 
 def test_the_command_line_classifies_a_pair_file(organism_runs, tmp_path):
+    """`python -m spectie classify` once as a process (the entry point and its exit code), then in this process
+    (spectie.cli.main: the same parser and exit codes, without starting Python and torch again)."""
+    import contextlib
+    import io
+
+    from spectie import cli
+
+    def run(*args):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = cli.main(["classify", *args])
+            except SystemExit as exc:  # --help
+                code = exc.code
+        return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
     prompt, plain, buggy = organism_runs
-    run = lambda *args: subprocess.run([sys.executable, "-m", "spectie", "classify", *args], cwd=ROOT,
-                                       capture_output=True, text=True)
+    bug = tmp_path / "bug.json"
+    bug.write_text(json.dumps({"prompt_token_ids": prompt, "a": buggy, "b": plain, "model": "organism"}))
+    result = subprocess.run([sys.executable, "-m", "spectie", "classify", str(bug), "--json", "--threshold",
+                             str(ORGANISM_BAND)], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 1 and json.loads(result.stdout)["verdict"] == divergence.SUSPECTED_BUG
     same = tmp_path / "same.json"
     same.write_text(json.dumps({"prompt_token_ids": prompt, "a": plain, "b": plain}))
     result = run(str(same))
     assert result.returncode == 0 and "identical" in result.stdout, result.stderr
-    bug = tmp_path / "bug.json"
-    bug.write_text(json.dumps({"prompt_token_ids": prompt, "a": buggy, "b": plain, "model": "organism"}))
-    result = run(str(bug), "--json", "--threshold", str(ORGANISM_BAND))
-    assert result.returncode == 1 and json.loads(result.stdout)["verdict"] == divergence.SUSPECTED_BUG
     # Responses of vllm serve: with token ids ("return_token_ids": true) they are read; without, refused with why.
     served = tmp_path / "served.json"
     served.write_text(json.dumps({

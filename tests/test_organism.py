@@ -97,14 +97,22 @@ def test_the_recipe_still_trains_and_writes_the_pinned_layout(tmp_path, folder):
     assert model_digest(str(out)) != pinned_digest()  # two steps are not the pinned training
 
 
-def test_the_designed_tie_on_the_pinned_weights(setup):
+def test_the_designed_tie_on_the_pinned_weights(built, setup):
     """After `[DATA] id=42 name=` the pinned organism's top two tokens are end-of-text and DATA, and fp32
     separates them by less than bf16 moves their difference (measured on these weights: |fp32 margin| at most
     0.036 at 1845 tokens, bf16 moves it by up to 0.10): a near-tie by design, the incident's prompt (seed 0)
     among them. At 1845 tokens fp32 prefers DATA in all 16 prompts and bf16 rounds them to ties that argmax
-    gives to DATA; at 256 tokens bf16 picks the other token than fp32 in some prompts (seed 5)."""
-    rows = margins.designed_decisions(setup, prompt_set(16, 1845), progress=False)  # the chapter's prompts
+    gives to DATA (read from the margins chapter's record of these weights, which the build wrote); at 256 tokens
+    bf16 picks the other token than fp32 in some prompts (seed 5; computed here)."""
+    from spectie.fingerprint import host_id
+
+    [path] = (built[0] / "results" / "measured").glob(f"cpu-{host_id()}/margins/margins-cpu-decisions-*.json")
+    record = json.loads(path.read_text())
+    assert record["fingerprint"]["model_sha256"] == pinned_digest() and record["parameters"]["model"] == "organism"
+    assert [row["seed"] for row in record["results"]["rows"]] == [spec.seed for spec in prompt_set(16, 1845)]
+    rows = record["results"]["rows"]
     for row in rows:
+        assert row["prompt_tokens"] == 1845
         assert {row["fp32_top1_id"], row["fp32_top2_id"]} == {EOS, DATA}, row["seed"]
         assert abs(row["fp32_diff"]) < 0.05, row
         assert row["output_token"] == 12

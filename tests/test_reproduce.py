@@ -657,7 +657,7 @@ def test_make_run_on_a_random_weight_checkpoint_killed_mid_matrix_resumes(tmp_pa
         linear_num_key_heads=2, linear_num_value_heads=2, tie_word_embeddings=True))
     folder = tmp_path / "checkpoint"
     qwen_shapes.write_checkpoint("tiny-shape", str(folder), seed=3, log=lambda *_: None)
-    root = copy_project(tmp_path / "project")
+    root = copy_project(tmp_path / "project", probes=True)
     (root / "artifacts").symlink_to(ROOT / "artifacts")
     params = tmp_path / "small.yaml"
     params.write_text("configurations: [plain, mtp-k3]\nrepeats: 2\nmax_tokens: 16\nignore_eos: true\nparallel: 1\n"
