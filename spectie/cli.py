@@ -195,6 +195,32 @@ def _cmd_classify(args) -> int:
     return FINDING if result.verdict == divergence.SUSPECTED_BUG else CHECKED
 
 
+def _cmd_guard(args) -> int:
+    """`guard run`: a batch of requests through the guard, responses to stdout or --out; `guard serve`: the proxy."""
+    from spectie import guard, guard_proxy
+
+    if args.action == "run":
+        if not args.requests:
+            raise UsageError("guard run needs a JSONL file of requests: spectie guard run requests.jsonl --url URL ...")
+        requests = guard_proxy.read_requests(args.requests)  # every line checked before anything is sent
+    if not 0 < args.port < 65536:
+        raise UsageError(f"--port must be a TCP port (1 to 65535), got {args.port}")
+    checked = guard.open_guard(args.upstream, args.model, args.threshold, args.max_resumes)
+    print(f"guard: {checked.upstream} serving {checked.served_model}; end-of-text {checked.stops.names()}; "
+          f"threshold {checked.threshold:g} logits ({checked.threshold_origin}); at most {checked.max_resumes} "
+          "resumes a completion", file=sys.stderr)
+    if args.action == "serve":
+        import uvicorn
+
+        uvicorn.run(guard_proxy.create_app(checked), host=args.host, port=args.port, log_level="warning")
+        return 0
+    with (open(args.out, "w") if args.out else sys.stdout) as out:
+        tally = guard_proxy.run_batch(checked, requests, out)
+    print(f"guard: {tally['requests']} requests, {tally['resumed']} resumed near-tie stops "
+          f"({tally['extra_requests']} extra requests), {tally['unchecked']} passed through unchecked", file=sys.stderr)
+    return 0
+
+
 def _cmd_fixes(args) -> int:
     import json
 
@@ -225,6 +251,13 @@ def _cmd_fixes(args) -> int:
 CHECKED, FINDING, BAD_INPUT, INTERNAL_ERROR = 0, 1, 2, 3
 EXIT_CODES = ("exit codes: 0 checked, nothing found; 1 a finding (a flagged stop, a suspected bug); 2 bad input or "
               "usage; 3 internal error")
+
+
+GUARD_EPILOG = """examples:
+  spectie guard serve --upstream http://127.0.0.1:8000 --model /models/Qwen3.5-27B --port 8001
+      clients then call http://127.0.0.1:8001/v1/completions (or /v1/chat/completions) as before
+  spectie guard run requests.jsonl --url http://127.0.0.1:8000 --model /models/Qwen3.5-27B --out responses.jsonl
+exit codes: 0 done; 2 bad input or an upstream the guard cannot check (said before any request is sent)"""
 
 
 def _key_value(text: str) -> tuple[str, object]:
@@ -300,6 +333,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="the verdict as one JSON object")
     p.set_defaults(func=_cmd_classify)
+
+    p = sub.add_parser("guard", epilog=GUARD_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       help="resume near-tie end-of-text stops before they reach the client (vllm serve)",
+                       description="In front of vllm serve: a greedy, non-streaming completion that ends on an "
+                                   "end-of-text token by a margin inside the noise band (the detector's threshold) "
+                                   "is continued from the runner-up token, and the response says so in a 'guard' "
+                                   "field. Confident stops, stops on the caller's stop strings or stop token ids, and "
+                                   "requests it cannot check (streaming, sampling, logit bias) are passed through "
+                                   "unchanged. Cost: one more request per resumed stop; two logprobs per token.")
+    p.add_argument("action", choices=["run", "serve"], help="run: a JSONL file of requests; serve: a proxy")
+    p.add_argument("requests", nargs="?", help="run: JSONL file, one request body per line (or {path, body})")
+    p.add_argument("--upstream", "--url", dest="upstream", required=True, help="base URL of vllm serve")
+    p.add_argument("--model", required=True, help="the served model's folder (or organism, or a hub id in the "
+                                                   "local cache): its end-of-text tokens and recorded band")
+    p.add_argument("--threshold", type=float, help="margin in logits up to which a stop is resumed (default: the "
+                                                   "detector's, as spectie tiestop --model chooses it)")
+    p.add_argument("--max-resumes", type=int, default=4, help="resumes per completion at most (default 4)")
+    p.add_argument("--out", help="run: write the responses here (default: standard output)")
+    p.add_argument("--host", default="127.0.0.1", help="serve: address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8001, help="serve: port to listen on (default 8001)")
+    p.set_defaults(func=_cmd_guard)
 
     p = sub.add_parser("fixes", epilog=EXIT_CODES, help="which public fixes a vLLM release carries (the fix ledger)",
                        description="Which public fixes for GDN state and speculative-decoding failures a vLLM release "

