@@ -20,8 +20,9 @@ if WORKER:
 
 # The test files that take longest (pytest --durations), first: the workers take whole files in this order, so the
 # long ones start at once and the workers end together instead of one waiting for the other's last long file.
-SLOW_FILES = ["test_reproduce.py", "test_tiestop.py", "test_book.py", "test_divergence.py", "test_cli_fuzz.py",
-              "test_organism.py", "test_host_survey.py", "test_reduction_order.py", "test_qwen_shapes.py"]
+SLOW_FILES = ["test_reproduce.py", "test_served.py", "test_book.py", "test_divergence.py", "test_qwen_shapes.py",
+              "test_reduction_order.py", "test_cli_fuzz.py", "test_organism.py", "test_guard.py", "test_host_survey.py",
+              "test_chapters.py"]
 
 
 def pytest_collection_modifyitems(items):

@@ -73,11 +73,19 @@ def test_a_stop_where_the_other_run_goes_on_is_a_divergence_at_the_incidents_own
 
 
 def classify_command(*args) -> dict:
-    result = subprocess.run([sys.executable, "-m", "spectie", "classify", *args, "--json", "--threshold",
-                             str(ORGANISM_BAND)], cwd=ROOT, capture_output=True, text=True)
-    assert result.returncode in (0, 1), result.stderr
-    verdict = json.loads(result.stdout)
-    assert result.returncode == (1 if verdict["verdict"] == divergence.SUSPECTED_BUG else 0)  # a finding exits 1
+    """`spectie classify ... --json` through its command line, in this process (its entry point as a process is
+    tested once, in test_the_command_line_classifies_a_pair_file)."""
+    import contextlib
+    import io
+
+    from spectie import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(["classify", *args, "--json", "--threshold", str(ORGANISM_BAND)])
+    assert code in (0, 1), err.getvalue()
+    verdict = json.loads(out.getvalue())
+    assert code == (1 if verdict["verdict"] == divergence.SUSPECTED_BUG else 0)  # a finding exits 1
     return verdict
 
 

@@ -96,6 +96,19 @@ def post_with_headers(url: str, body: dict) -> tuple[dict, dict]:
         return json.loads(response.read()), dict(response.headers)
 
 
+def cli_main(*argv: str) -> tuple[int, str]:
+    """`spectie <argv>` in this process (the proxy above runs it as a process): its exit code and standard error."""
+    import contextlib
+    import io
+
+    from spectie import cli
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = cli.main(list(argv))
+    return code, err.getvalue()
+
+
 def organism_prompt(tokens: int, seed: int):
     from spectie.model import resolve_model
     from spectie.prompts import PromptSpec, build_prompt
@@ -203,10 +216,8 @@ def test_the_guard_on_chat_streaming_and_a_batch(servers, tmp_path):
     requests.write_text(json.dumps({"model": "organism", "prompt": list(prompt.token_ids), "max_tokens": 200,
                                     "temperature": 0}) + "\n" + json.dumps({**chat_body, "temperature": 0.7}) + "\n")
     out = tmp_path / "responses.jsonl"
-    result = subprocess.run([sys.executable, "-m", "spectie", "guard", "run", str(requests), "--url", servers["mtp"],
-                             "--model", "organism", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert "2 requests, 1 resumed near-tie stops" in result.stderr and "1 passed through unchecked" in result.stderr
+    code, said = cli_main("guard", "run", str(requests), "--url", servers["mtp"], "--model", "organism", "--out", str(out))
+    assert code == 0, said
+    assert "2 requests, 1 resumed near-tie stops" in said and "1 passed through unchecked" in said
     resumed, sampled = [json.loads(line) for line in out.read_text().splitlines()]
     assert resumed["guard"]["resumed"] and not sampled["guard"]["checked"] and "sampling" in sampled["guard"]["reason"]
