@@ -148,7 +148,7 @@ def _check_logprobs(guard: Guard) -> None:
     """One token from the upstream with top-2 logprobs and token ids, or a clear error."""
     first = min(guard.stops.ids)
     try:
-        reply = _post(guard, COMPLETIONS, {"model": guard.served_model, "prompt": [first], "max_tokens": 1,
+        reply = send(guard, COMPLETIONS, {"model": guard.served_model, "prompt": [first], "max_tokens": 1,
                                            "temperature": 0, **_extras(COMPLETIONS, {})})
         [step] = _steps(reply)
         ids = reply["choices"][0]["token_ids"]
@@ -172,7 +172,7 @@ def _extras(path: str, body: dict) -> dict:
     return {**logprobs, "return_token_ids": True, "return_tokens_as_token_ids": True}
 
 
-def _post(guard: Guard, path: str, body: dict) -> dict:
+def send(guard: Guard, path: str, body: dict) -> dict:
     import httpx
 
     try:
@@ -250,8 +250,8 @@ def complete(guard: Guard, path: str, body: dict) -> dict:
     started = time.monotonic()
     reason = unguarded_reason(path, body)
     if reason:
-        return _unchecked(_post(guard, path, body), reason, started)
-    first = _post(guard, path, {**body, **_extras(path, body)})
+        return _unchecked(send(guard, path, body), reason, started)
+    first = send(guard, path, {**body, **_extras(path, body)})
     reason = _uncheckable(path, first)
     if reason:
         return _unchecked(_as_asked(guard, path, body, first), reason, started)
@@ -263,15 +263,24 @@ def complete(guard: Guard, path: str, body: dict) -> dict:
         resume = near_tie_stop(guard, parts[-1], len(output) - len(parts[-1].ids))
         if resume is None:
             break
+        replaced = _with_runner_up(guard, parts[-1], body)  # the runner-up in place of the end-of-text token
+        output[-1] = replaced.ids[-1]
+        if len(output) < limit:
+            try:
+                rest = _part(send(guard, COMPLETIONS, _continuation(guard, path, body, prompt_ids + output,
+                                                                    limit - len(output))))
+            except (UpstreamError, UsageError) as exc:  # the response stays where the server stopped
+                report.reason = f"resuming at output token {resume.position} failed ({exc})"
+                break
         report.resumed.append(resume)
-        parts[-1] = _with_runner_up(guard, parts[-1], body)  # the runner-up in place of the end-of-text token
-        output = [i for p in parts for i in p.ids]
+        parts[-1] = replaced
         if len(output) >= limit:
             parts[-1].finish_reason, parts[-1].stop_reason = "length", None
             break
-        parts.append(_part(_post(guard, COMPLETIONS, _continuation(guard, path, body, prompt_ids + output,
-                                                                   limit - len(output)))))
+        parts.append(rest)
         report.extra_requests += 1
+    if not report.reason and len(report.resumed) == guard.max_resumes and near_tie_stop(guard, parts[-1], 0):
+        report.reason = f"still a near-tie stop after {guard.max_resumes} resumes (--max-resumes): left as it ended"
     report.seconds = round(time.monotonic() - started, 4)
     response = _merged(guard, path, body, first, parts)
     response["guard"] = report.as_dict()

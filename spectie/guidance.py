@@ -541,3 +541,38 @@ def b200_facts(reported: list[dict]) -> dict:
             "b200_k_continues": ", ".join(map(str, goes_on)) or "—",
             "k_threshold_text": "a wider K did not stop where a narrower one did, so no K threshold holds"
             if any(k > s for k in goes_on for s in stops_at) else "these runs alone do not contradict a K threshold"}
+
+
+def guard_summary(record: dict) -> dict:
+    """The guard's figures from its record (spectie.guard_measure): near-tie stops that reached the client without
+    and with the guard, completions resumed, extra requests, and the guard's time per completion minus the
+    server's alone (median and 95th percentile)."""
+    import numpy as np
+
+    rows = record["results"]["prompts"]
+    added = [row["guarded"]["seconds"] - row["direct"]["seconds"] for row in rows]
+    return {"prompts": len(rows),
+            "near_tie_without": sum(row["direct"]["near_tie_stop"] for row in rows),
+            "near_tie_with": sum(row["guarded"]["near_tie_stop"] for row in rows),
+            "resumed": sum(row["guarded"]["resumed"] > 0 for row in rows),
+            "extra_requests": sum(row["guarded"]["extra_requests"] for row in rows),
+            "added_median_s": float(np.median(added)), "added_p95_s": float(np.percentile(added, 95)),
+            "direct_median_s": float(np.median([row["direct"]["seconds"] for row in rows]))}
+
+
+def guard_sentence(record: dict | None) -> str:
+    """What the guard's record says, in words, with its figures (`guard_summary`); where none is recorded, that it
+    was not run yet and what runs it."""
+    if record is None:
+        return ("The guard has not been measured on this model yet: `make build` measures it on this host "
+                "(the guidance chapter's `guard_prompts`)")
+    s = guard_summary(record)
+    where = f"through vllm serve (vLLM {record['results']['vllm_version']}, {record['results']['backend']}) with MTP"
+    reached = (f"{plural(s['near_tie_without'], 'completion')} of {s['prompts']} ended on a near-tie end-of-text stop "
+               f"without the guard and {s['near_tie_with']} with it")
+    if not s["resumed"]:
+        return f"On the survey's prompts {where}, {reached}: the guard had nothing to resume and added no request"
+    return (f"On the survey's prompts {where}, {reached}; the guard resumed {plural(s['resumed'], 'completion')} "
+            f"with {plural(s['extra_requests'], 'extra request')}, and its time per completion minus the server's "
+            f"alone was {s['added_median_s']:+.2f} s at the median and {s['added_p95_s']:+.2f} s at the 95th "
+            f"percentile (a completion took {s['direct_median_s']:.2f} s without it, on this host)")

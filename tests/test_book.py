@@ -123,6 +123,14 @@ def test_the_guidance_chapter_backs_each_workaround_with_records(built):
                      r"at confident positions", text)
     [path] = (root / "results" / "measured").glob(f"cpu-{host_id()}/guidance/tiestop-injection-cpu-*.json")
     assert json.loads(path.read_text())["parameters"]["new_tokens"] == 200
+    # The guard through vllm serve: the page says what this host's record of the build says.
+    from spectie import guidance
+
+    [path] = (root / "results" / "measured").glob(f"cpu-{host_id()}/guidance/guard-survey-cpu-*.json")
+    record = json.loads(path.read_text())
+    sentence = re.sub(r"\s+", " ", guidance.guard_sentence(record).replace("`", ""))
+    assert sentence in text.replace("’", "'"), sentence
+    assert "run behind the guard" in text and "spectie guard serve --upstream" in text
 
 
 def test_the_first_page_gives_the_answer_from_the_records(built):

@@ -32,7 +32,10 @@ class Upstream:
 
     def post(self, url, json, **_):
         self.sent.append(json)
-        return httpx.Response(200, json=self.responses.pop(0), request=httpx.Request("POST", url))
+        answer = self.responses.pop(0)  # a response, or a status the server refuses with
+        if isinstance(answer, int):
+            return httpx.Response(answer, text="refused", request=httpx.Request("POST", url))
+        return httpx.Response(200, json=answer, request=httpx.Request("POST", url))
 
 
 ONE_TOKEN = completion([NAME], [{NAME: -0.1, DATA: -3.0}], finish="length")  # answers the guard's own check
@@ -87,5 +90,42 @@ def test_a_near_tie_stop_is_resumed_from_the_runner_up_at_most_max_resumes_times
     assert continuation["prompt"] == [1, 2, 3, NAME, DATA] and continuation["max_tokens"] == 8
     assert upstream.sent[3]["prompt"] == [1, 2, 3, NAME, DATA, NAME, DATA] and upstream.sent[3]["max_tokens"] == 6
     choice = response["choices"][0]
-    assert choice["finish_reason"] == "stop" and response["usage"]["completion_tokens"] == 5  # the limit was reached
+    assert choice["finish_reason"] == "stop" and response["usage"]["completion_tokens"] == 5  # max_resumes reached
     assert choice["logprobs"]["tokens"][1] == "DATA" and choice.get("token_ids") is None
+    assert "still a near-tie stop after 2 resumes" in report["reason"]
+
+
+def test_the_chapters_figures_and_sentence_follow_the_record():
+    """guidance.guard_summary and .guard_sentence over a guard-survey record: counts and latency from its rows, and a
+    sentence that says what they say (nothing resumed, or what it cost), or that the guard was not measured."""
+    from spectie import guidance
+
+    def row(direct_tie: bool, resumed: int, direct_s: float, guarded_s: float) -> dict:
+        outcome = {"finish_reason": "stop" if direct_tie else "length", "output_tokens": 10, "stop_margin": None}
+        return {"direct": {**outcome, "near_tie_stop": direct_tie, "seconds": direct_s, "resumed": 0, "extra_requests": 0},
+                "guarded": {**outcome, "near_tie_stop": False, "seconds": guarded_s, "resumed": resumed,
+                            "extra_requests": resumed}}
+
+    record = {"environments": ["cpu"], "results": {"vllm_version": "0.32.0", "backend": "cpu", "prompts": [
+        row(True, 1, 2.0, 3.0), row(False, 0, 2.0, 2.1), row(False, 0, 4.0, 4.1)]}}
+    figures = guidance.guard_summary(record)
+    assert figures["near_tie_without"] == 1 and figures["near_tie_with"] == 0
+    assert figures["resumed"] == 1 and figures["extra_requests"] == 1
+    assert figures["added_median_s"] == pytest.approx(0.1) and figures["direct_median_s"] == 2.0
+    text = guidance.guard_sentence(record)
+    assert "1 completion of 3 ended on a near-tie end-of-text stop without the guard and 0 with it" in text
+    assert "resumed 1 completion with 1 extra request" in text and "+0.10 s at the median" in text
+    calm = {**record, "results": {**record["results"], "prompts": [row(False, 0, 2.0, 2.0)]}}
+    assert "nothing to resume" in guidance.guard_sentence(calm)
+    assert "not been measured" in guidance.guard_sentence(None)
+
+
+def test_a_resume_the_server_refuses_leaves_the_response_where_the_server_stopped(monkeypatch):
+    tie = {EOS: -0.60, DATA: -0.65}
+    Upstream(monkeypatch, ONE_TOKEN, completion([NAME, EOS], [{NAME: -0.1}, tie]), 400)
+    checked = guard.open_guard("http://upstream", "organism", threshold=0.2)
+    response = guard.complete(checked, guard.COMPLETIONS, {"model": "organism", "prompt": [1, 2, 3], "max_tokens": 10,
+                                                           "temperature": 0})
+    assert response["choices"][0]["text"] == "xx" and response["choices"][0]["finish_reason"] == "stop"
+    assert response["guard"]["resumed"] == [] and "resuming at output token 1 failed" in response["guard"]["reason"]
+

