@@ -87,6 +87,23 @@ def make(target, root, *args):
                           capture_output=True, text=True, timeout=1800)  # a whole build: ~12 min uncontended
 
 
+def run_cli(*argv: str) -> subprocess.CompletedProcess:
+    """`python -m spectie <argv>` in this process (spectie.cli.main: the same parser, output and exit codes, without
+    starting Python and torch again); test_cli.py runs the entry point as a process."""
+    import contextlib
+    import io
+
+    from spectie import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(list(argv))
+        except SystemExit as exc:  # --help, and argparse's usage errors
+            code = exc.code
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
 def stale_chapters(root: Path) -> tuple[list[str], str]:
     """The chapters `spectie stale` names in the project at `root`, and its output."""
     result = subprocess.run([str(Path(sys.prefix) / "bin" / "python"), "-m", "spectie", "stale"], cwd=root,

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, run_cli
 from spectie import divergence
 from spectie.errors import UsageError
 from spectie.model import resolve_model
@@ -73,19 +73,10 @@ def test_a_stop_where_the_other_run_goes_on_is_a_divergence_at_the_incidents_own
 
 
 def classify_command(*args) -> dict:
-    """`spectie classify ... --json` through its command line, in this process (its entry point as a process is
-    tested once, in test_the_command_line_classifies_a_pair_file)."""
-    import contextlib
-    import io
-
-    from spectie import cli
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli.main(["classify", *args, "--json", "--threshold", str(ORGANISM_BAND)])
-    assert code in (0, 1), err.getvalue()
-    verdict = json.loads(out.getvalue())
-    assert code == (1 if verdict["verdict"] == divergence.SUSPECTED_BUG else 0)  # a finding exits 1
+    result = run_cli("classify", *args, "--json", "--threshold", str(ORGANISM_BAND))
+    assert result.returncode in (0, 1), result.stderr
+    verdict = json.loads(result.stdout)
+    assert result.returncode == (1 if verdict["verdict"] == divergence.SUSPECTED_BUG else 0)  # a finding exits 1
     return verdict
 
 
@@ -136,22 +127,8 @@ def test_bad_input_is_refused_before_any_model_loads():
 
 
 def test_the_command_line_classifies_a_pair_file(organism_runs, tmp_path):
-    """`python -m spectie classify` once as a process (the entry point and its exit code), then in this process
-    (spectie.cli.main: the same parser and exit codes, without starting Python and torch again)."""
-    import contextlib
-    import io
-
-    from spectie import cli
-
-    def run(*args):
-        out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                code = cli.main(["classify", *args])
-            except SystemExit as exc:  # --help
-                code = exc.code
-        return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
-
+    """`python -m spectie classify` once as a process (the entry point and its exit code), then in this process."""
+    run = lambda *args: run_cli("classify", *args)  # noqa: E731
     prompt, plain, buggy = organism_runs
     bug = tmp_path / "bug.json"
     bug.write_text(json.dumps({"prompt_token_ids": prompt, "a": buggy, "b": plain, "model": "organism"}))

@@ -1,5 +1,6 @@
 """The organism behind a real `vllm serve` (CPU build), with and without MTP speculation: what the detector
-reads from its responses, and what the guard (`spectie guard serve`, a proxy in front of each) changes."""
+reads from its responses, and what the guard changes (`spectie guard serve` in front of the MTP server; in this
+process in front of the plain one)."""
 
 import json
 import os
@@ -10,8 +11,8 @@ import urllib.request
 
 import pytest
 
-from conftest import ROOT
-from spectie import tiestop
+from conftest import ROOT, run_cli
+from spectie import guard, tiestop
 from spectie.guard_measure import SPECULATIVE, free_port, serve_command, wait_until_up
 from spectie.model import resolve_model
 
@@ -31,22 +32,20 @@ def start(command: list[str], log) -> subprocess.Popen:
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    """Two servers started together (plain, and MTP with one speculative token), each with a guard in front:
-    {"plain": url, "mtp": url, "plain guard": url, "mtp guard": url}."""
+    """Two servers started together (plain, and MTP with one speculative token), and `spectie guard serve` in front
+    of the MTP one: {"plain": url, "mtp": url, "mtp guard": url}."""
     logs = tmp_path_factory.mktemp("serve")
-    ports = {name: free_port() for name in ("plain", "mtp", "plain guard", "mtp guard")}
+    ports = {name: free_port() for name in ("plain", "mtp", "mtp guard")}
     urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
     organism = resolve_model("organism")
     processes = {"plain": start(serve_command(sys.executable, organism, ports["plain"]), logs / "plain.log"),
                  "mtp": start(serve_command(sys.executable, organism, ports["mtp"], SPECULATIVE), logs / "mtp.log")}
     try:
-        for name in ("plain", "mtp"):
-            wait_until_up(processes[name], urls[name], logs / f"{name}.log")
-            guard = f"{name} guard"
-            processes[guard] = start([sys.executable, "-m", "spectie", "guard", "serve", "--upstream", urls[name],
-                                      "--model", "organism", "--port", str(ports[guard])], logs / f"{name}-guard.log")
-        for name in ("plain guard", "mtp guard"):
-            wait_until_up(processes[name], urls[name], logs / f"{name.replace(' ', '-')}.log", 120)
+        wait_until_up(processes["mtp"], urls["mtp"], logs / "mtp.log")
+        processes["mtp guard"] = start([sys.executable, "-m", "spectie", "guard", "serve", "--upstream", urls["mtp"],
+                                        "--model", "organism", "--port", str(ports["mtp guard"])], logs / "guard.log")
+        wait_until_up(processes["plain"], urls["plain"], logs / "plain.log")
+        wait_until_up(processes["mtp guard"], urls["mtp guard"], logs / "guard.log", 120)
         yield urls
     finally:
         for process in processes.values():
@@ -64,19 +63,6 @@ def post_with_headers(url: str, body: dict) -> tuple[dict, dict]:
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=300) as response:
         return json.loads(response.read()), dict(response.headers)
-
-
-def cli_main(*argv: str) -> tuple[int, str]:
-    """`spectie <argv>` in this process (the proxy above runs it as a process): its exit code and standard error."""
-    import contextlib
-    import io
-
-    from spectie import cli
-
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        code = cli.main(list(argv))
-    return code, err.getvalue()
 
 
 def organism_prompt(tokens: int, seed: int):
@@ -114,8 +100,7 @@ def test_real_vllm_serve_responses_are_read(servers, tmp_path):
         assert len(parsed.steps) == response["usage"]["completion_tokens"] > 0
         assert parsed.finish_reason == response["choices"][0]["finish_reason"]
         assert all(len(step.top) >= 2 or step.token in step.top for step in parsed.steps)
-    result = subprocess.run([sys.executable, "-m", "spectie", "tiestop", str(responses), "--threshold", "0.129",
-                             "--json", "--model", "organism"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = run_cli("tiestop", str(responses), "--threshold", "0.129", "--json", "--model", "organism")
     assert result.returncode == 0, result.stderr
     verdicts = [json.loads(line) for line in result.stdout.splitlines()]
     print(responses.read_text()[:1500], *verdicts, sep="\n")
@@ -155,7 +140,7 @@ def test_the_guard_resumes_the_surveys_near_tie_stop_and_leaves_other_endings(se
     assert choice["logprobs"] is None and choice.get("token_ids") is None  # not asked for, not there
     # Plain greedy runs this prompt to max_tokens: nothing to resume, the same response.
     plain = post(f"{servers['plain']}/v1/completions", body)
-    through = post(f"{servers['plain guard']}/v1/completions", body)
+    through = guard.complete(guard.open_guard(servers["plain"], "organism"), guard.COMPLETIONS, body)  # in this process
     assert through["guard"]["checked"] and through["guard"]["resumed"] == []
     assert through["choices"][0]["text"] == plain["choices"][0]["text"] and through["choices"][0]["finish_reason"] == "length"
     # The caller's stop token is the caller's choice: never resumed.
@@ -186,8 +171,9 @@ def test_the_guard_on_chat_streaming_and_a_batch(servers, tmp_path):
     requests.write_text(json.dumps({"model": "organism", "prompt": list(prompt.token_ids), "max_tokens": 200,
                                     "temperature": 0}) + "\n" + json.dumps({**chat_body, "temperature": 0.7}) + "\n")
     out = tmp_path / "responses.jsonl"
-    code, said = cli_main("guard", "run", str(requests), "--url", servers["mtp"], "--model", "organism", "--out", str(out))
-    assert code == 0, said
+    result = run_cli("guard", "run", str(requests), "--url", servers["mtp"], "--model", "organism", "--out", str(out))
+    said = result.stderr
+    assert result.returncode == 0, said
     assert "2 requests, 1 resumed near-tie stops" in said and "1 passed through unchecked" in said
     resumed, sampled = [json.loads(line) for line in out.read_text().splitlines()]
     assert resumed["guard"]["resumed"] and not sampled["guard"]["checked"] and "sampling" in sampled["guard"]["reason"]

@@ -1,12 +1,10 @@
 """Tie-stop detector: parsing each input format, the verdicts, bad input, and the command line."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, run_cli
 from spectie import tiestop
 from spectie.errors import UsageError
 
@@ -138,8 +136,7 @@ def test_the_command_line_reads_jsonl_and_says_what_it_flagged(tmp_path):
     lines = [completion_response({"": -0.60, "DATA": -0.79}), chat_response(-0.01, -6.0)]
     path = tmp_path / "responses.jsonl"
     path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
-    run = lambda *args: subprocess.run([sys.executable, "-m", "spectie", "tiestop", *args], cwd=ROOT,
-                                       capture_output=True, text=True)
+    run = lambda *args: run_cli("tiestop", *args)  # noqa: E731
     result = run(str(path), "--threshold", "0.5")
     assert result.returncode == 1, result.stderr  # a finding
     assert "FLAGGED  responses.jsonl:1/0 at output token 3" in result.stdout
@@ -183,13 +180,11 @@ def test_the_threshold_is_at_least_one_bf16_step_at_the_recorded_logits():
 def test_the_command_line_flags_the_gpu_stop_of_a_reproduction_record():
     """MTP K=1 on prompt seed 1 through CUDA vLLM 0.26.0 (H200): the end-of-text stop won by one bf16 step."""
     [path] = (ROOT / "results" / "measured").glob("v0.26.0-h200-*/reproduce/reproduce-v0.26.0-h200-incident-mtp-v1-k1-s1-*.json")
-    result = subprocess.run([sys.executable, "-m", "spectie", "tiestop", "--record", str(path)],
-                            cwd=ROOT, capture_output=True, text=True)
+    result = run_cli("tiestop", "--record", str(path))
     assert result.returncode == 1, result.stderr
     assert result.stdout.startswith("threshold 0.125 logits (one bf16 step at the logits recorded for these weights")
     assert "won by 0.125 logits over 'DATA#17247'" in result.stdout
     assert "10 of 10 completion(s) flagged as near-tie stops" in result.stdout
     plain = str(path).replace("-mtp-v1-k1-", "-plain-")  # plain greedy ran to the limit: nothing to flag
-    result = subprocess.run([sys.executable, "-m", "spectie", "tiestop", "--record", plain], cwd=ROOT,
-                            capture_output=True, text=True)
+    result = run_cli("tiestop", "--record", plain)
     assert result.returncode == 0 and "0 of 10 completion(s) flagged" in result.stdout, result.stderr
