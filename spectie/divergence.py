@@ -599,10 +599,25 @@ def write_verdicts(rows: list[dict], engine_records: list[dict], model: str, thr
         started_at=started_at, content_hash=content_hash, dtype="float32")
     path = measured_path(record)
     earlier = read_if_valid(path)  # the same verdicts on the same divergences with the same band: it stands, unchanged
-    if earlier and (earlier["parameters"], earlier["results"]) == (record["parameters"], record["results"]):
+    if earlier and earlier["parameters"] == record["parameters"] and same_rows(earlier["results"]["rows"],
+                                                                               record["results"]["rows"]):
         return earlier
     write_record(record, path)
     return record
+
+
+MARGIN_TOLERANCE = 1e-4  # logits: fp32 margins move in the 6th decimal with the CPU thread count, nothing else does
+
+
+def same_rows(earlier: list[dict], now: list[dict]) -> bool:
+    """The same verdict rows, fp32 margins equal within MARGIN_TOLERANCE (a recomputation on another number of
+    threads sums in another order; the verdicts and every other field must be identical)."""
+    def close(a, b) -> bool:
+        return a == b or (isinstance(a, float) and isinstance(b, float) and abs(a - b) <= MARGIN_TOLERANCE)
+
+    return len(earlier) == len(now) and all(
+        row.keys() == other.keys() and all(close(row[k], other[k]) if k == "fp32 margin" else row[k] == other[k]
+                                           for k in row) for row, other in zip(earlier, now))
 
 
 def confusion(rows: list[dict]):

@@ -252,3 +252,12 @@ def test_a_shared_prompt_state_scores_as_one_forward_over_the_whole_sequence():
                                       [len(case["prompt_token_ids"]) + i for i in range(48)])
     assert shared.shape == whole.shape and float((shared - whole).abs().max()) < 1e-3
     assert (shared.argmax(dim=1) == whole.argmax(dim=1)).all()
+
+
+def test_verdicts_recomputed_on_another_thread_count_leave_the_record_as_it_was():
+    row = {"case": "mtp-v1-k1 vs plain, seed 1", "class": "mtp", "fp32 margin": -0.008138656616210938,
+           "output token": 12, "threshold": 0.118, "verdict": "near-tie"}
+    assert divergence.same_rows([row], [{**row, "fp32 margin": -0.008136749267578125}])  # seen: 2e-6 apart
+    assert not divergence.same_rows([row], [{**row, "fp32 margin": -0.0092}])
+    assert not divergence.same_rows([row], [{**row, "verdict": "suspected bug"}])
+    assert not divergence.same_rows([row], [row, row])
