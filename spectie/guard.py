@@ -17,11 +17,12 @@ reasoning): those are passed through, and the response says why (`guard.checked`
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import asdict, dataclass, field
 
 from spectie.errors import UsageError
-from spectie.tiestop import Completion, EndOfText, Step, check, from_openai
+from spectie.tiestop import Completion, EndOfText, Step, check, from_openai, runner_up
 
 HEADER = "x-spectie-guard"
 MAX_RESUMES = 4
@@ -150,7 +151,7 @@ def _check_logprobs(guard: Guard) -> None:
     try:
         reply = send(guard, COMPLETIONS, {"model": guard.served_model, "prompt": [first], "max_tokens": 1,
                                            "temperature": 0, **_extras(COMPLETIONS, {})})
-        [step] = _steps(reply)
+        [step] = _part(reply).steps
         ids = reply["choices"][0]["token_ids"]
     except UsageError as exc:
         raise UsageError(f"the upstream {guard.upstream} cannot serve what the guard reads: {exc}") from None
@@ -162,13 +163,17 @@ def _check_logprobs(guard: Guard) -> None:
                          "read a stop's margin")
 
 
+def _asked_logprobs(path: str, body: dict) -> int | None:
+    """How many alternatives per token the client asked for (0: the chosen token's alone); None: no logprobs."""
+    if path == CHAT:
+        return (body.get("top_logprobs") or 0) if body.get("logprobs") else None
+    return body.get("logprobs")
+
+
 def _extras(path: str, body: dict) -> dict:
     """What the guard adds to a request: top-2 logprobs (or as many as asked) and token ids, as ids."""
-    if path == CHAT:
-        asked = body.get("top_logprobs") if body.get("logprobs") else 0
-        logprobs = {"logprobs": True, "top_logprobs": max(2, asked or 0)}
-    else:
-        logprobs = {"logprobs": max(2, body.get("logprobs") or 0)}
+    count = max(2, _asked_logprobs(path, body) or 0)
+    logprobs = {"logprobs": True, "top_logprobs": count} if path == CHAT else {"logprobs": count}
     return {**logprobs, "return_token_ids": True, "return_tokens_as_token_ids": True}
 
 
@@ -190,11 +195,6 @@ class UpstreamError(Exception):
     def __init__(self, status: int, text: str):
         super().__init__(f"upstream answered {status}: {text[:300]}")
         self.status, self.text = status, text
-
-
-def _steps(response: dict) -> list[Step]:
-    [completion] = from_openai(response)
-    return completion.steps
 
 
 def _token_id(token: str) -> int:
@@ -324,10 +324,9 @@ def _token_limit(guard: Guard, path: str, body: dict, prompt_tokens: int) -> int
 
 def _continuation(guard: Guard, path: str, body: dict, token_ids: list[int], max_tokens: int) -> dict:
     """The completion request that goes on from `token_ids` (prompt, output so far, runner-up)."""
-    asked = (body.get("top_logprobs") if body.get("logprobs") else 0) if path == CHAT else body.get("logprobs")
     request = {key: body[key] for key in CARRIED if key in body}
     request.update(model=body.get("model", guard.served_model), prompt=token_ids, max_tokens=max_tokens,
-                   **_extras(COMPLETIONS, {"logprobs": asked}))
+                   **_extras(COMPLETIONS, {"logprobs": _asked_logprobs(path, body)}))
     return request
 
 
@@ -335,10 +334,10 @@ def _with_runner_up(guard: Guard, part: Part, body: dict) -> Part:
     """`part` with its end-of-text token replaced by the runner-up: its id, its logprob at that position
     (among the same alternatives) and its text."""
     stop = part.steps[-1]
-    runner_up = max(((t, lp) for t, lp in stop.top.items() if t != stop.token), key=lambda item: item[1])[0]
-    token_id = _token_id(runner_up)
+    other, _ = runner_up(stop)
+    token_id = _token_id(other)
     text = guard.tokenizer.decode([token_id], skip_special_tokens=body.get("skip_special_tokens", True))
-    return Part(part.ids[:-1] + [token_id], part.steps[:-1] + [Step(runner_up, stop.top[runner_up], stop.top)],
+    return Part(part.ids[:-1] + [token_id], part.steps[:-1] + [Step(other, stop.top[other], stop.top)],
                 part.text + text, part.finish_reason, part.stop_reason)
 
 
@@ -370,7 +369,7 @@ def _as_asked(guard: Guard, path: str, body: dict, response: dict) -> dict:
         for container, key in ((choice, "token_ids"), (choice, "prompt_token_ids"), (response, "prompt_token_ids")):
             if key in container:
                 container[key] = None
-    asked = (body.get("top_logprobs") or 0 if body.get("logprobs") else None) if path == CHAT else body.get("logprobs")
+    asked = _asked_logprobs(path, body)
     if asked is None or steps is None:  # not asked for, or none to show (then as the upstream gave them)
         choice["logprobs"] = None if asked is None else choice.get("logprobs")
         return response
@@ -394,7 +393,7 @@ def _best(step: Step, count: int) -> list[tuple[str, float]]:
 def _completion_logprobs(steps: list[Step], count: int, shown) -> dict:
     """Logprobs in /v1/completions form (the chosen token is among each position's alternatives)."""
     tokens = [shown(s.token) for s in steps]
-    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    offsets = [0, *itertools.accumulate(len(t) for t in tokens[:-1])] if tokens else []
     tops = [{shown(t): lp for t, lp in _best(s, count) + [(s.token, s.logprob)]} for s in steps]
     return {"tokens": tokens, "token_logprobs": [s.logprob for s in steps], "top_logprobs": tops,
             "text_offset": offsets}

@@ -2,8 +2,6 @@
 must give exit code 2 and one line naming what is wrong, never a traceback. Exit codes: 0 checked, nothing found;
 1 a finding; 2 bad input or usage; 3 an internal error (spectie/cli.py)."""
 
-import contextlib
-import io
 import json
 import re
 import tempfile
@@ -12,7 +10,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import ROOT
+from conftest import ROOT, run_cli
 from spectie import cli
 
 EXAMPLES = 1000  # per command and input form
@@ -22,10 +20,8 @@ COUNTS: dict[str, int] = {}  # examples run per test, for the closing note (pyte
 
 
 def run(*argv: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli.main(list(argv))
-    return code, out.getvalue(), err.getvalue()
+    result = run_cli(*argv)
+    return result.returncode, result.stdout, result.stderr
 
 
 def assert_bad_input(code: int, err: str, what):
