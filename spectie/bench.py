@@ -71,17 +71,17 @@ def run(model: str = "organism", device: str = "cpu", dtypes=("float32", "bfloat
     `repeats`: timed calls per figure after the warm-up (default 3 on a GPU, 1 on CPU, where a bf16
     plain forward over Qwen3.5's vocabulary takes most of a minute)."""
     import torch
-    from transformers import AutoTokenizer
 
     from spectie import reduction_order
     from spectie.prompts import PromptSpec, build_prompt
+    from spectie.tokenizer import model_tokenizer
 
     plan = reduction_order.check_plan(device, list(dtypes), list(shapes), ["torch"], [False], model)
     if prompt_tokens < 1 or new_tokens < 1:
         raise UsageError("prompt_tokens and new_tokens must be >= 1")
     repeats = repeats or (3 if device.startswith("cuda") else 1)
     source = reduction_order.open_source(model)
-    tokenizer = AutoTokenizer.from_pretrained(source.tokenizer)
+    tokenizer = model_tokenizer(str(source.tokenizer))
     ids = list(build_prompt(PromptSpec(tokens=prompt_tokens + new_tokens, seed=0), tokenizer).token_ids)
     positions = list(range(len(ids) - new_tokens, len(ids)))
     rate = matmul_rate(device) if device.startswith("cuda") else None

@@ -8,6 +8,7 @@ differs from the hash stored in its executed copy. The copy also keeps the diges
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -144,9 +145,11 @@ def own_records_dir(chapter: Chapter, environment: str = BUILD_ENVIRONMENT) -> s
     return f"results/measured/{environment}-{host_id()}/{chapter.name}/"
 
 
-def _spectie_imports(source: str) -> set[str]:
+@functools.lru_cache(maxsize=None)
+def _spectie_imports(source: str) -> frozenset[str]:
     """Modules of the package a piece of Python code imports (at any depth: function-level imports too),
-    dotted below `spectie` (`reproduce`, `engines.runner`), each with the packages above it (`engines`)."""
+    dotted below `spectie` (`reproduce`, `engines.runner`), each with the packages above it (`engines`).
+    Kept per source text: every chapter's staleness check reads the same modules."""
     import ast
 
     found = set()
@@ -159,7 +162,7 @@ def _spectie_imports(source: str) -> set[str]:
                 found |= {f"{below}.{a.name}".lstrip(".") for a in node.names}  # a module, or a name in one
                 if below:
                     found.add(below)
-    return found | {name.rsplit(".", 1)[0] for name in found if "." in name}
+    return frozenset(found | {name.rsplit(".", 1)[0] for name in found if "." in name})
 
 
 def _module_file(package: Path, name: str) -> Path | None:
@@ -177,7 +180,7 @@ def used_modules(chapter: Chapter) -> list[Path]:
     package = root / "spectie"
     notebook = json.loads((root / chapter.notebook).read_text())
     code = "\n".join("".join(c["source"]) for c in notebook["cells"] if c["cell_type"] == "code")
-    pending, seen = _spectie_imports(code) | {"__init__"}, {}
+    pending, seen = set(_spectie_imports(code)) | {"__init__"}, {}
     while pending:
         name = pending.pop()
         path = _module_file(package, name)
@@ -194,19 +197,29 @@ def library_versions() -> dict[str, str | None]:
     return {name: _version(name) for name in LIBRARIES}
 
 
-def _named_environments(record_files: list[Path]) -> set[str]:
-    """The environment ids that these record files name (a file that is not a record names none)."""
+_NAMED: dict[str, frozenset[str]] = {}  # a record's digest -> the environments it names (read once per process)
+
+
+def _named_environments(record_digests: dict[Path, str]) -> set[str]:
+    """The environment ids that these record files name (a file that is not a record names none), given each
+    file's digest: every chapter's check reads the same records."""
     named = set()
-    for path in record_files:
+    for path, digest in record_digests.items():
         if path.suffix != ".json":
             continue
-        try:
-            environments = json.loads(path.read_text()).get("environments")
-        except (ValueError, AttributeError):
-            continue
-        if isinstance(environments, list):
-            named |= {e for e in environments if isinstance(e, str)}
+        if digest not in _NAMED:
+            try:
+                environments = json.loads(path.read_bytes()).get("environments")
+            except (ValueError, AttributeError):
+                environments = None
+            _NAMED[digest] = frozenset(e for e in environments if isinstance(e, str)) \
+                if isinstance(environments, list) else frozenset()
+        named |= _NAMED[digest]
     return named
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def input_digests(chapter: Chapter, parameters: dict) -> dict[str, str]:
@@ -223,16 +236,18 @@ def input_digests(chapter: Chapter, parameters: dict) -> dict[str, str]:
     environment = parameters.get("environment") or BUILD_ENVIRONMENT
     own = {p for p in root.glob(own_records_dir(chapter, environment) + "*.json")}
     patterns = tuple(p.replace("{environment}", environment) for p in PACKAGE_DATA + chapter.inputs)
-    inputs = [p for p in _files(patterns, root) if p not in own]
+    files = {p: _sha256(p) for p in _files(patterns, root) if p not in own}
     if chapter.environments == "all":
         env_files = _files(("environments/*.yaml",), root)
     else:
-        named = _named_environments([p for p in inputs if "results" in p.relative_to(root).parts]) | {environment}
+        records = {p: digest for p, digest in files.items() if "results" in p.relative_to(root).parts}
+        named = _named_environments(records) | {environment}
         env_files = [p for p in (root / "environments" / f"{e}.yaml" for e in sorted(named)) if p.is_file()]
+    for path in {root / chapter.notebook, *used_modules(chapter), *env_files} - files.keys():
+        files[path] = _sha256(path)
     digests = {"parameters": json.dumps(parameters, sort_keys=True, default=str)}
     digests |= {f"library {name}": str(version) for name, version in library_versions().items()}
-    for path in sorted({root / chapter.notebook, *used_modules(chapter), *inputs, *env_files}):
-        digests[path.relative_to(root).as_posix()] = hashlib.sha256(path.read_bytes()).hexdigest()
+    digests |= {path.relative_to(root).as_posix(): files[path] for path in sorted(files)}
     return digests
 
 

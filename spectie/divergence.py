@@ -465,15 +465,14 @@ def build_cases(model: str = "organism", seeds=CASE_SEEDS, new_tokens: int = CAS
     goes on, on every seed of `tie_seeds`) and planted bugs of each class in BUGS (the buggy
     decoder against plain greedy, where it changes the output, on every seed of `seeds`). Divergences of real
     engines are not labelled: nobody knows their truth (recorded_pairs gives them, unlabelled)."""
-    from transformers import AutoTokenizer
-
     from spectie.model import end_of_text_ids, greedy_generate, load_model, reference_gdn_kernels, resolve_model
     from spectie.prompts import PromptSpec, build_prompt
     from spectie.engines.runner import first_divergence
+    from spectie.tokenizer import model_tokenizer
 
     path = resolve_model(model)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    eos = end_of_text_ids(path)
+    tokenizer = model_tokenizer(str(path))
+    eos = end_of_text_ids(path, tokenizer)
     cases = []
     with reference_gdn_kernels():
         loaded = load_model(path, "bfloat16")

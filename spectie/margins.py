@@ -175,9 +175,9 @@ class MarginsSetup:
 def prepare(model: str, device: str, watch_tokens: list[str], serving_dtype: str,
             compare_dtypes: list[str]) -> MarginsSetup:
     """Check every parameter (cheaply, before loading weights); the models load when a measurement needs them."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
-    from spectie.tokenizer import token_id
+    from spectie.tokenizer import model_tokenizer, token_id
 
     device = check_device(device)
     for dtype in [serving_dtype, *compare_dtypes]:
@@ -190,7 +190,7 @@ def prepare(model: str, device: str, watch_tokens: list[str], serving_dtype: str
     dtypes = [d for d in DTYPES if d in set(compare_dtypes) | {serving_dtype}]
     for dtype in dtypes:
         check_memory(path, config, dtype, device)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = model_tokenizer(str(path))
     watch = {}
     for token in watch_tokens:
         watch[token] = token_id(tokenizer, token)  # raises, naming the token, if it is not one token

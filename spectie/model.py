@@ -197,14 +197,16 @@ def stepwise_logits(model, ids: list[int], positions: list[int]):
 
 def end_of_text_ids(path: str, tokenizer=None) -> list[int]:
     """The model's end-of-text ids: its generation config's EOS, else its tokenizer's."""
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import GenerationConfig
+
+    from spectie.tokenizer import model_tokenizer
 
     try:
         eos = GenerationConfig.from_pretrained(path).eos_token_id
     except OSError:
         eos = None
     if eos is None:
-        eos = (tokenizer or AutoTokenizer.from_pretrained(path)).eos_token_id
+        eos = (tokenizer or model_tokenizer(str(path))).eos_token_id
     if eos is None:
         raise UsageError(f"model {path} names no end-of-text token: a stop against a continuation cannot be read")
     return [int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)]

@@ -226,17 +226,17 @@ def write_checkpoint(name: str, out_dir: str, seed: int = 0, logit_std: float = 
     from pathlib import Path
 
     import torch
-    from transformers import AutoTokenizer
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 
     from spectie.organism import organism_dir, write_release
     from spectie.prompts import PromptSpec, build_prompt
+    from spectie.tokenizer import model_tokenizer
 
     release = release_config(name)  # an unknown shape fails here, before anything is built
     check_memory(name, ["bfloat16"], device)
     out = Path(out_dir)
     tokenizer_src = organism_dir()
-    prompt = build_prompt(PromptSpec(tokens=1845, seed=0).check(), AutoTokenizer.from_pretrained(str(tokenizer_src)))
+    prompt = build_prompt(PromptSpec(tokens=1845, seed=0).check(), model_tokenizer(str(tokenizer_src)))
     scale = logit_scale(name, device, list(prompt.token_ids), logit_std, seed)
     log(f"{name}: logits scaled by {scale:.3f} for a spread of {logit_std} (seed {seed})")
     model = build(name, "bfloat16", device, seed, scale)

@@ -291,14 +291,14 @@ def sweep(model: str, device: str, dtypes: list[str], shapes: list[str], kernels
     import dataclasses
 
     import torch
-    from transformers import AutoTokenizer
 
     from spectie.model import greedy_generate
     from spectie.prompts import PromptSpec, build_prompt
+    from spectie.tokenizer import model_tokenizer
 
     plan = check_plan(device, list(dtypes), list(shapes), list(kernels), list(tf32), model, reference_dtype)
     source = open_source(model)
-    tokenizer = AutoTokenizer.from_pretrained(source.tokenizer)
+    tokenizer = model_tokenizer(str(source.tokenizer))
     prompt = build_prompt(PromptSpec(tokens=prompt_tokens, seed=prompt_seed), tokenizer)
     eos = [tokenizer.convert_tokens_to_ids("<|endoftext|>")]
     batch = max([s.size for s in plan if s.kind == "batch"] + [1])

@@ -49,13 +49,13 @@ def test_identical_sequences_are_said_to_be_identical(organism_runs):
 def test_a_stop_where_the_other_run_goes_on_is_a_divergence_at_the_incidents_own_tie(organism_runs):
     """The incident's case on the organism: one run ends right after `[DATA] id=42 name=` (its output is a
     prefix of the other's), the other writes DATA there. That is the designed EOS/DATA near-tie."""
-    from transformers import AutoTokenizer
+    from spectie.tokenizer import model_tokenizer
 
     from spectie.model import resolve_model
     from spectie.prompts import PromptSpec, build_prompt
 
     prompt, plain, _ = organism_runs
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model("organism"))
+    tokenizer = model_tokenizer(resolve_model("organism"))
     designed = build_prompt(PromptSpec(), tokenizer)
     assert list(designed.token_ids) == prompt
     at = designed.decisive_output_token - 1  # 0-based output index of the designed decision
@@ -196,7 +196,7 @@ def test_each_labelled_case_gets_its_label_except_the_known_blind_spots(case):
 
 
 def test_the_labelled_cases_hold_every_public_class_and_both_labels():
-    from transformers import AutoTokenizer
+    from spectie.tokenizer import model_tokenizer
 
     data = divergence.read_cases()
     assert data["model"] == "organism"
@@ -211,7 +211,7 @@ def test_the_labelled_cases_hold_every_public_class_and_both_labels():
     for case in designed:  # stop against continue at the designed decision, the incident's shape
         index = first_divergence(case["a"], case["b"])
         assert index == len(case["a"]) - 1 and 248044 in (case["a"][index], case["b"][index])
-    decode = AutoTokenizer.from_pretrained(resolve_model("organism")).decode
+    decode = model_tokenizer(resolve_model("organism")).decode
     for case in digits:  # two digits where they part, and both go on
         index = first_divergence(case["a"], case["b"])
         assert decode([case["a"][index]]).isdigit() and decode([case["b"][index]]).isdigit()

@@ -24,10 +24,10 @@ GPU_ENVIRONMENT = "v0.26.0-h200"
 def organism():
     from spectie.model import resolve_model
     from spectie.prompts import PromptSpec, build_prompt
-    from transformers import AutoTokenizer
+    from spectie.tokenizer import model_tokenizer
 
     path = resolve_model("organism")
-    prompt = build_prompt(PromptSpec(tokens=1845, seed=0).check(), AutoTokenizer.from_pretrained(path))
+    prompt = build_prompt(PromptSpec(tokens=1845, seed=0).check(), model_tokenizer(str(path)))
     return path, prompt
 
 

@@ -120,6 +120,31 @@ def test_the_chapters_figures_and_sentence_follow_the_record():
     assert "not been measured" in guidance.guard_sentence(None)
 
 
+def test_guard_run_counts_what_it_resumed_and_what_it_passed_through(monkeypatch, tmp_path):
+    """`spectie guard run` over a batch: a near-tie stop resumed once, a sampled request sent as it came; the tally
+    on stderr and one response per line (tests/test_served.py runs it against a real server)."""
+    import json
+
+    from conftest import run_cli
+
+    tie = {EOS: -0.60, DATA: -0.65}
+    upstream = Upstream(monkeypatch, ONE_TOKEN, completion([NAME, EOS], [{NAME: -0.1}, tie]),
+                        completion([NAME], [{NAME: -0.1, DATA: -3.0}], finish="length"),
+                        completion([NAME, NAME], [{NAME: -0.1}, {NAME: -0.1}], finish="length"))
+    requests = tmp_path / "requests.jsonl"
+    body = {"model": "organism", "prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0}
+    requests.write_text(json.dumps(body) + "\n" + json.dumps({**body, "temperature": 0.7}) + "\n")
+    out = tmp_path / "responses.jsonl"
+    result = run_cli("guard", "run", str(requests), "--url", "http://upstream", "--model", "organism",
+                     "--threshold", "0.2", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "2 requests, 1 resumed near-tie stops (1 extra requests), 1 passed through unchecked" in result.stderr
+    resumed, sampled = [json.loads(line) for line in out.read_text().splitlines()]
+    assert resumed["guard"]["resumed"][0]["position"] == 1 and resumed["usage"]["completion_tokens"] == 3
+    assert not sampled["guard"]["checked"] and "sampling" in sampled["guard"]["reason"]
+    assert upstream.sent[-1]["temperature"] == 0.7 and "logprobs" not in upstream.sent[-1]  # sent as it came
+
+
 def test_a_resume_the_server_refuses_leaves_the_response_where_the_server_stopped(monkeypatch):
     tie = {EOS: -0.60, DATA: -0.65}
     Upstream(monkeypatch, ONE_TOKEN, completion([NAME, EOS], [{NAME: -0.1}, tie]), 400)

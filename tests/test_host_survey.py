@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import run_cli
 from spectie import guidance, host, survey
 from spectie.environments import get_environment
 from spectie.errors import UsageError
@@ -65,12 +66,18 @@ def test_a_matching_host_passes_and_says_what_it_has(fake_nvidia_smi):
     assert lines[1].startswith("model: organism, needs about 0.") and "GiB free on the GPU" in lines[1]
 
 
-def without_gpu(module: str, *args: str) -> subprocess.CompletedProcess:
-    """`python -m module args` with no nvidia-smi on PATH; it must stop with a usage error (exit 2)."""
-    result = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
-                            timeout=300, env={**os.environ, "PATH": "/usr/bin:/bin"})
-    assert result.returncode == 2, result.stderr
-    return result
+def without_gpu(monkeypatch, main, *args: str) -> subprocess.CompletedProcess:
+    """A command line's `main(args)` in this process with no nvidia-smi on PATH; it must stop with a usage error
+    (exit 2)."""
+    import contextlib
+    import io
+
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    assert code == 2, err.getvalue()
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def test_a_gpu_environment_computed_on_the_cpu_is_refused(fake_nvidia_smi):
@@ -79,9 +86,11 @@ def test_a_gpu_environment_computed_on_the_cpu_is_refused(fake_nvidia_smi):
         host.check("margins", get_environment("h200"), {"model": "organism", "device": "cpu"})
 
 
-def test_bench_runs_the_host_checks_before_any_model(tmp_path):
+def test_bench_runs_the_host_checks_before_any_model(monkeypatch):
     """`make bench DEVICE=cuda` on a host without a GPU (its ENV defaults to cpu) stops at the host check."""
-    result = without_gpu("spectie.bench", "--env", "cpu", "--device", "cuda")
+    from spectie import bench
+
+    result = without_gpu(monkeypatch, bench.main, "--env", "cpu", "--device", "cuda")
     assert "environment 'cpu' has no GPU" in result.stderr and "benchmark:" not in result.stdout
 
 
@@ -102,14 +111,14 @@ def test_another_gpu_model_is_refused_even_when_not_strict(fake_nvidia_smi):
         host.check("incident", get_environment("v0.31.0-rtx4090x2"), {}, strict=False)
 
 
-def test_make_run_is_strict_about_the_driver_only_when_asked(fake_rtx4090x2):
+def test_make_run_is_strict_about_the_driver_only_when_asked(fake_rtx4090x2, monkeypatch):
     """`spectie run` passes SPECTIE_STRICT_HOST=1 to the host check. The fake GPUs have no free memory, so
     both runs stop at the host check; only the strict one counts the driver among the problems."""
-    command = [sys.executable, "-m", "spectie", "run", "margins", "--env", "v0.31.0-rtx4090x2", "--set", "device=cuda"]
-    path = f"{fake_rtx4090x2.parent}{os.pathsep}/usr/bin:/bin"
-    lenient, strict = (subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                                      env={**os.environ, "PATH": path, "SPECTIE_STRICT_HOST": flag})
-                       for flag in ("", "1"))
+    results = []
+    for flag in ("", "1"):
+        monkeypatch.setenv("SPECTIE_STRICT_HOST", flag)
+        results.append(run_cli("run", "margins", "--env", "v0.31.0-rtx4090x2", "--set", "device=cuda"))
+    lenient, strict = results
     for result in (lenient, strict):
         assert result.returncode == 2, result.stderr
         assert "model 'organism' needs about" in result.stderr and "running chapter" not in result.stdout
@@ -133,7 +142,9 @@ def test_a_model_larger_than_memory_is_refused_before_loading(monkeypatch):
 
 def test_make_run_checks_the_host_before_running(monkeypatch):
     """On this CPU host an H200 environment is refused by `spectie run` before papermill starts."""
-    result = without_gpu("spectie", "run", "margins", "--env", "h200")
+    from spectie import cli
+
+    result = without_gpu(monkeypatch, cli.main, "run", "margins", "--env", "h200")
     assert "this host does not fit the run" in result.stderr and "no NVIDIA GPU" in result.stderr
     assert "running chapter" not in result.stdout
 

@@ -29,15 +29,16 @@ def test_bad_shapes_are_refused(bad, message):
 @pytest.fixture(scope="module")
 def organism_sequence():
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from spectie.model import reference_gdn_kernels
     from spectie.organism import organism_dir
     from spectie.prompts import PromptSpec, build_prompt
+    from spectie.tokenizer import model_tokenizer
 
     if not (organism_dir() / "model.safetensors").is_file():
         pytest.fail("the organism is missing: run make setup")
-    tokenizer = AutoTokenizer.from_pretrained(organism_dir())
+    tokenizer = model_tokenizer(str(organism_dir()))
     prompts = [build_prompt(PromptSpec(tokens=160, seed=s), tokenizer).token_ids for s in range(3)]
     models = {d: AutoModelForCausalLM.from_pretrained(organism_dir(), dtype=getattr(torch, d)).eval()
               for d in ("float64", "bfloat16")}

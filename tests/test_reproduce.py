@@ -660,7 +660,7 @@ def test_make_run_on_a_random_weight_checkpoint_killed_mid_matrix_resumes(tmp_pa
     root = copy_project(tmp_path / "project", probes=True)
     (root / "artifacts").symlink_to(ROOT / "artifacts")
     params = tmp_path / "small.yaml"
-    params.write_text("configurations: [plain, mtp-k3]\nrepeats: 2\nmax_tokens: 16\nignore_eos: true\nparallel: 1\n"
+    params.write_text("configurations: [plain, mtp-k3]\nrepeats: 1\nmax_tokens: 16\nignore_eos: true\nparallel: 1\n"
                       "prompt_tokens: 256\n")
     command = ["make", "run", "CHAPTER=reproduce", f"PARAMS={params}", "ENV=cpu", f"MODEL={folder}",
                f"VENV={Path(sys.prefix)}"]
@@ -671,7 +671,7 @@ def test_make_run_on_a_random_weight_checkpoint_killed_mid_matrix_resumes(tmp_pa
     while not records() and first.poll() is None and time.monotonic() < deadline:
         time.sleep(1)
     assert first.poll() is None and records(), "ended or wrote nothing before the kill: " + log.read_text()[-3000:]
-    time.sleep(2)  # the next engine is starting
+    time.sleep(1)  # the next engine is starting
     os.killpg(first.pid, signal.SIGKILL)
     first.wait()
     before = {p.name: p.read_bytes() for p in records()}
@@ -683,7 +683,7 @@ def test_make_run_on_a_random_weight_checkpoint_killed_mid_matrix_resumes(tmp_pa
     for record in after.values():
         results = record["results"]
         assert results["status"] == "ok" and results["runs_stopped"] == 0
-        assert [x["output_tokens"] for x in results["repeats"]] == [16, 16]
+        assert [x["output_tokens"] for x in results["repeats"]] == [16]
         assert record["parameters"]["model"] == qwen_shapes.model_label("ignored", str(folder))
         assert record["parameters"]["ignore_eos"] is True
         assert "tiny-shape-checkpoint-random-weight-shape-seed-3" in record["id"]

@@ -152,7 +152,8 @@ def test_the_guard_resumes_the_surveys_near_tie_stop_and_leaves_other_endings(se
 
 def test_the_guard_on_chat_streaming_and_a_batch(servers, tmp_path):
     """A chat completion is checked and comes back in chat form; a streaming request is passed through unchecked
-    and its header says so; `spectie guard run` resumes the near-tie stop of a batch and counts it."""
+    and its header says so; `spectie guard run` checks a batch's greedy request and passes its sampled one through
+    (what it resumes and counts: tests/test_guard.py)."""
     prompt = organism_prompt(*NEAR_TIE_PROMPT)
     chat_body = {"model": "organism", "max_tokens": 16, "temperature": 0, "logprobs": True, "top_logprobs": 1,
                  "messages": [{"role": "user", "content": prompt.text[-300:]}]}
@@ -168,12 +169,13 @@ def test_the_guard_on_chat_streaming_and_a_batch(servers, tmp_path):
         assert response.headers["x-spectie-guard"].startswith("unchecked: streaming")
         assert b"data: [DONE]" in response.read()
     requests = tmp_path / "requests.jsonl"
-    requests.write_text(json.dumps({"model": "organism", "prompt": list(prompt.token_ids), "max_tokens": 200,
+    requests.write_text(json.dumps({"model": "organism", "prompt": list(prompt.token_ids), "max_tokens": 16,
                                     "temperature": 0}) + "\n" + json.dumps({**chat_body, "temperature": 0.7}) + "\n")
     out = tmp_path / "responses.jsonl"
     result = run_cli("guard", "run", str(requests), "--url", servers["mtp"], "--model", "organism", "--out", str(out))
     said = result.stderr
     assert result.returncode == 0, said
-    assert "2 requests, 1 resumed near-tie stops" in said and "1 passed through unchecked" in said
-    resumed, sampled = [json.loads(line) for line in out.read_text().splitlines()]
-    assert resumed["guard"]["resumed"] and not sampled["guard"]["checked"] and "sampling" in sampled["guard"]["reason"]
+    assert "2 requests, 0 resumed near-tie stops" in said and "1 passed through unchecked" in said
+    greedy, sampled = [json.loads(line) for line in out.read_text().splitlines()]
+    assert greedy["guard"]["checked"] and greedy["choices"][0]["finish_reason"] == "length"
+    assert not sampled["guard"]["checked"] and "sampling" in sampled["guard"]["reason"]
