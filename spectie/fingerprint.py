@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
@@ -85,21 +86,33 @@ def nvidia_smi(*arguments: str) -> str:
     return ""
 
 
-def _gpu_rows() -> list[list[str]]:
-    """name, driver version and UUID of each NVIDIA GPU (nvidia-smi), none on a host without one."""
-    out = nvidia_smi("--query-gpu=name,driver_version,uuid", "--format=csv,noheader")
-    return [[part.strip() for part in line.split(",")] for line in out.strip().splitlines() if line.strip()]
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    driver: str
+    uuid: str
+    total: int  # bytes
+    free: int  # bytes
 
 
-def _gpu(rows: list[list[str]] | None = None) -> tuple[str | None, str | None]:
-    """GPU name(s) and driver version from nvidia-smi's rows (asked here unless given), or (None, None) on a
-    host without one."""
-    rows = _gpu_rows() if rows is None else rows
-    if not rows:
+def gpus() -> list[Gpu]:
+    """The NVIDIA GPUs nvidia-smi reports, in one call (none on a host without NVIDIA devices; see nvidia_smi): what
+    records name (name, driver, UUID) and what the host check needs (memory)."""
+    out = nvidia_smi("--query-gpu=name,driver_version,uuid,memory.total,memory.free", "--format=csv,noheader,nounits")
+    found = []
+    for line in filter(str.strip, out.splitlines()):
+        name, driver, uuid, total, free = (part.strip() for part in line.split(","))
+        found.append(Gpu(name, driver, uuid, int(float(total)) * 2**20, int(float(free)) * 2**20))
+    return found
+
+
+def _gpu(found: list[Gpu] | None = None) -> tuple[str | None, str | None]:
+    """GPU name(s) and driver version (of the GPUs given, else asked here), or (None, None) on a host without one."""
+    found = gpus() if found is None else found
+    if not found:
         return None, None
-    names = [r[0] for r in rows]
-    name = names[0] if len(names) == 1 else f"{len(names)} × {names[0]}"
-    return name, rows[0][1]
+    name = found[0].name if len(found) == 1 else f"{len(found)} × {found[0].name}"
+    return name, found[0].driver
 
 
 def device_name() -> str:
@@ -218,8 +231,8 @@ def _files_digest(files: tuple) -> str:
 def environment_fingerprint(dtype: str | None = None, model: str | None = None) -> dict:
     """Where a measurement ran: host, OS, CPU, GPU and driver, CUDA, Python and library versions, and the
     digest of the model's weights when they are local files."""
-    rows = _gpu_rows()  # one nvidia-smi call for the name, the driver and the UUIDs
-    gpu, driver = _gpu(rows)
+    found = gpus()  # one nvidia-smi call for the name, the driver and the UUIDs
+    gpu, driver = _gpu(found)
     revision = source_revision()
     return {
         "model_sha256": model_digest(model),
@@ -229,7 +242,7 @@ def environment_fingerprint(dtype: str | None = None, model: str | None = None) 
         "cpu": _cpu_model(),
         "gpu": gpu,
         "gpu_driver": driver,
-        "gpu_uuids": [row[2] for row in rows if len(row) > 2],
+        "gpu_uuids": [g.uuid for g in found],
         "cuda": _cuda(),
         "python": platform.python_version(),
         "torch": _version("torch"),

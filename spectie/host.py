@@ -12,35 +12,13 @@ check is strict: `check(..., strict=True)`, which `make run` asks for with SPECT
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 from spectie.errors import UsageError
-from spectie.fingerprint import host_memory
+from spectie.fingerprint import gpus, host_memory
 
 GIB = 2**30
-MEMORY_SLACK = 1.25  # activations, the other precision's copy during a cast, the allocator's reserve
 MODEL_DTYPE = {"reproduce": "bfloat16"}  # vLLM serves the checkpoint's bf16; the others compute fp32 references
-
-
-@dataclass(frozen=True)
-class Gpu:
-    name: str
-    driver: str
-    total: int  # bytes
-    free: int  # bytes
-
-
-def gpus() -> list[Gpu]:
-    """The NVIDIA GPUs nvidia-smi reports (none on a host without NVIDIA devices; see fingerprint.nvidia_smi)."""
-    from spectie.fingerprint import nvidia_smi
-
-    out = nvidia_smi("--query-gpu=name,driver_version,memory.total,memory.free", "--format=csv,noheader,nounits")
-    found = []
-    for line in out.strip().splitlines():
-        name, driver, total, free = (part.strip() for part in line.split(","))
-        found.append(Gpu(name, driver, int(float(total)) * 2**20, int(float(free)) * 2**20))
-    return found
 
 
 def model_parameters(model: str) -> int:
@@ -67,6 +45,21 @@ def model_parameters(model: str) -> int:
     return parameter_count(getattr(config, "text_config", config))
 
 
+def memory_needed(model: str, dtype: str) -> int:
+    """Bytes to hold `model` (the organism, a random-weight shape, a folder or a cached hub id) in `dtype`: the
+    project's one estimate (spectie.memory) over the model's parameters, counted from its files or config."""
+    from spectie import memory, qwen_shapes
+
+    return memory.needed(model_parameters(model), dtype, built_in_float32=qwen_shapes.is_shape(model))
+
+
+def check_fits(model: str, dtypes: list[str], device: str) -> None:
+    """Refuse, before anything is loaded or built, a precision whose model cannot fit, saying what it needs."""
+    from spectie import memory, qwen_shapes
+
+    memory.check_fits(model, model_parameters(model), dtypes, device, built_in_float32=qwen_shapes.is_shape(model))
+
+
 def release_parameters(folder: Path) -> int | None:
     """The causal LM's parameters in a folder of safetensors in Qwen3.5's release layout, from the files' headers
     (transformers builds the same count from the config, but takes seconds to import): the language model and
@@ -91,18 +84,30 @@ def check(chapter: str, environment: dict, parameters: dict, *, strict: bool = F
     shortage of memory. `parameters`: the run's (defaults filled in). A driver other than the environment's
     is a line of information, or a mismatch when `strict` (SPECTIE_STRICT_HOST=1 for `make run`)."""
     found = gpus()
-    expected = environment["hardware"].get("gpu")
-    env_id = environment["id"]
-    device = str(parameters.get("device", "cuda" if expected else "cpu"))
-    problems, lines = [], []
+    device = str(parameters.get("device", "cuda" if environment["hardware"].get("gpu") else "cpu"))
     if found:
-        lines.append(f"GPU: {len(found)} x {found[0].name}, driver {found[0].driver}, "
-                     f"{found[0].free / GIB:.1f} of {found[0].total / GIB:.1f} GiB free on the first")
+        lines = [f"GPU: {len(found)} x {found[0].name}, driver {found[0].driver}, "
+                 f"{found[0].free / GIB:.1f} of {found[0].total / GIB:.1f} GiB free on the first"]
     else:
-        lines.append("GPU: none (nvidia-smi reports no NVIDIA GPU)")
-    if expected and not found:
-        from spectie.fingerprint import LAST_GPU_PROBE_FAILURE
+        lines = ["GPU: none (nvidia-smi reports no NVIDIA GPU)"]
+    problems = _gpu_problems(environment, found, device, "device" in parameters)
+    for said, is_problem in (_driver(environment, found, strict),
+                             _memory(chapter, parameters.get("model"), found, device)):
+        if said:
+            (problems if is_problem else lines).append(said)
+    if problems:
+        raise UsageError("this host does not fit the run:\n  " + "\n  ".join(problems + lines))
+    return lines
 
+
+def _gpu_problems(environment: dict, found: list, device: str, device_given: bool) -> list[str]:
+    """Where this host's GPUs (or their absence) and the run's device do not match the environment."""
+    from spectie.fingerprint import LAST_GPU_PROBE_FAILURE
+
+    hardware, env_id = environment["hardware"], environment["id"]
+    expected, count = hardware.get("gpu"), hardware.get("gpu_count")
+    problems = []
+    if expected and not found:
         problems.append(f"environment {env_id!r} is a {expected} host, but this host has no NVIDIA GPU"
                         + (f" ({LAST_GPU_PROBE_FAILURE[0]})" if LAST_GPU_PROBE_FAILURE else "")
                         + "; run with ENV=cpu, or on the host the environment describes")
@@ -112,34 +117,37 @@ def check(chapter: str, environment: dict, parameters: dict, *, strict: bool = F
     if not expected and device.startswith("cuda"):
         problems.append(f"device {device!r}: environment {env_id!r} has no GPU, so GPU records would be labelled "
                         "as a CPU run; give the environment of this GPU host (make list)")
-    if expected and "device" in parameters and not device.startswith("cuda"):
+    if expected and device_given and not device.startswith("cuda"):
         problems.append(f"device {device!r}: environment {env_id!r} is a {expected} host, so records computed on "
                         "this host's CPU would be labelled as that GPU's; give DEVICE=cuda (or ENV=cpu)")
     if device.startswith("cuda") and not found:
         problems.append(f"device {device!r}, but this host has no NVIDIA GPU; use device: cpu")
-    count = environment["hardware"].get("gpu_count")
     if expected and found and count and len(found) < count:
         problems.append(f"environment {env_id!r} has {count} GPUs, this host {len(found)}")
-    driver = environment["hardware"].get("driver")
-    if expected and found and driver and str(driver) != found[0].driver:
-        if strict:
-            problems.append(f"environment {env_id!r} names driver {driver}, this host has {found[0].driver} "
-                            "(strict host check: SPECTIE_STRICT_HOST=1)")
-        else:
-            lines.append(f"environment {env_id!r} names driver {driver} (reported), this host has "
-                         f"{found[0].driver}: recorded, not enforced")
-    model = parameters.get("model")
-    if model is not None:
-        from spectie.qwen_shapes import bytes_per_parameter
+    return problems
 
-        dtype = MODEL_DTYPE.get(chapter, "float32")
-        need = model_parameters(str(model)) * bytes_per_parameter(dtype) * MEMORY_SLACK
-        on_gpu = bool(found) and (device.startswith("cuda") or chapter == "reproduce")
-        free, where = (found[0].free, "free on the GPU") if on_gpu else (host_memory(), "available on this host")
-        lines.append(f"model: {model}, needs about {need / GIB:.1f} GiB in {dtype}; {free / GIB:.1f} GiB {where}")
-        if need > free:
-            problems.append(f"model {model!r} needs about {need / GIB:.1f} GiB in {dtype}, only {free / GIB:.1f} GiB "
-                            f"{where}: free memory or use a host with more")
-    if problems:
-        raise UsageError("this host does not fit the run:\n  " + "\n  ".join(problems + lines))
-    return lines
+
+def _driver(environment: dict, found: list, strict: bool) -> tuple[str | None, bool]:
+    """A driver other than the environment names: (what to say, whether it is a problem), or (None, False)."""
+    driver, env_id = environment["hardware"].get("driver"), environment["id"]
+    if not (environment["hardware"].get("gpu") and found and driver and str(driver) != found[0].driver):
+        return None, False
+    if strict:
+        return (f"environment {env_id!r} names driver {driver}, this host has {found[0].driver} "
+                "(strict host check: SPECTIE_STRICT_HOST=1)"), True
+    return (f"environment {env_id!r} names driver {driver} (reported), this host has {found[0].driver}: recorded, "
+            "not enforced"), False
+
+
+def _memory(chapter: str, model, found: list, device: str) -> tuple[str | None, bool]:
+    """What the model needs against what is free where it will live: (the line, or the problem), or (None, False)."""
+    if model is None:
+        return None, False
+    dtype = MODEL_DTYPE.get(chapter, "float32")
+    need = memory_needed(str(model), dtype)
+    on_gpu = bool(found) and (device.startswith("cuda") or chapter == "reproduce")
+    free, where = (found[0].free, "free on the GPU") if on_gpu else (host_memory(), "available on this host")
+    if need > free:
+        return (f"model {model!r} needs about {need / GIB:.1f} GiB in {dtype}, only {free / GIB:.1f} GiB "
+                f"{where}: free memory or use a host with more"), True
+    return f"model: {model}, needs about {need / GIB:.1f} GiB in {dtype}; {free / GIB:.1f} GiB {where}", False

@@ -18,7 +18,7 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
 from spectie.errors import UsageError
-from spectie.model import (DTYPES, SHORT, Generation, check_causal_lm, check_device, check_memory, end_of_text_ids,
+from spectie.model import (DTYPES, SHORT, Generation, check_causal_lm, check_device, end_of_text_ids,
                            greedy_generate, load_model, reference_gdn_kernels, resolve_model, teacher_forced_logits,
                            torch_dtype)
 
@@ -177,6 +177,7 @@ def prepare(model: str, device: str, watch_tokens: list[str], serving_dtype: str
     """Check every parameter (cheaply, before loading weights); the models load when a measurement needs them."""
     from transformers import AutoConfig
 
+    from spectie.host import check_fits
     from spectie.tokenizer import model_tokenizer, token_id
 
     device = check_device(device)
@@ -188,8 +189,7 @@ def prepare(model: str, device: str, watch_tokens: list[str], serving_dtype: str
     config = AutoConfig.from_pretrained(path)
     check_causal_lm(path, config)
     dtypes = [d for d in DTYPES if d in set(compare_dtypes) | {serving_dtype}]
-    for dtype in dtypes:
-        check_memory(path, config, dtype, device)
+    check_fits(model, dtypes, device)
     tokenizer = model_tokenizer(str(path))
     watch = {}
     for token in watch_tokens:

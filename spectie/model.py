@@ -64,22 +64,6 @@ def check_causal_lm(model: str, config) -> None:
         raise UsageError(f"model {model!r} (model_type {config.model_type!r}) is not a causal language model")
 
 
-def check_memory(model: str, config, dtype: str, device: str) -> None:
-    """Refuse a precision whose weights cannot fit the device, saying how much they need."""
-    import torch
-
-    text = getattr(config, "text_config", config)
-    hidden, layers, vocab = text.hidden_size, text.num_hidden_layers, text.vocab_size
-    intermediate = getattr(text, "intermediate_size", 4 * hidden)
-    params = 2 * vocab * hidden + layers * (4 * hidden * hidden + 3 * hidden * intermediate)
-    need = params * torch.finfo(torch_dtype(dtype)).bits // 8
-    if device.startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info()
-        if need * 1.2 > free:
-            raise UsageError(f"{dtype} weights of {model} need about {need / 2**30:.1f} GiB; "
-                             f"the GPU has {free / 2**30:.1f} GiB free")
-
-
 def parameter_count(config) -> int:
     """Parameters of the causal LM a config describes (a tied head counted once), built on the meta
     device: no weights are loaded or allocated."""

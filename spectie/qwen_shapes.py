@@ -27,7 +27,6 @@ logits, scales with that spread.
 from __future__ import annotations
 
 from spectie.errors import UsageError
-from spectie.fingerprint import host_memory
 
 COMMON = dict(
     vocab_size=248320, head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
@@ -51,7 +50,6 @@ SHAPES = {
 LABEL = "random-weight shape"
 DEFAULT_LOGIT_STD = 3.0
 CALIBRATION_ROWS = 64  # last prompt rows whose logit spread sets the scale
-MEMORY_SLACK = 1.15  # activations, caches and the allocator's slack on top of the weights
 
 
 def is_shape(model: str) -> bool:
@@ -75,40 +73,6 @@ def parameter_count(name: str) -> int:
     from spectie.model import parameter_count as count
 
     return count(config(name))
-
-
-def bytes_per_parameter(dtype: str) -> int:
-    from spectie.model import torch_dtype
-    import torch
-
-    return torch.finfo(torch_dtype(dtype)).bits // 8
-
-
-def memory_needed(name: str, dtype: str) -> int:
-    """Bytes needed to build the shape in `dtype`: it is built in fp32 first, then cast."""
-    params = parameter_count(name)
-    extra = 0 if dtype == "float32" else bytes_per_parameter(dtype)
-    return params * (4 + extra)
-
-
-def available_memory(device: str) -> int:
-    """Free bytes on the GPU, or the host memory available to a CPU run."""
-    import torch
-
-    if device.startswith("cuda"):
-        return torch.cuda.mem_get_info()[0]
-    return host_memory()
-
-
-def check_memory(name: str, dtypes: list[str], device: str) -> None:
-    """Refuse, before anything is built, a precision whose model cannot fit: say how much it needs."""
-    free = available_memory(device)
-    where = "the GPU has" if device.startswith("cuda") else "this host has"
-    for dtype in dtypes:
-        need = memory_needed(name, dtype) * MEMORY_SLACK
-        if need > free:
-            raise UsageError(f"{name} in {dtype} needs about {need / 2**30:.0f} GiB ({parameter_count(name) / 1e9:.2f} B "
-                             f"parameters, built in float32 then cast); {where} {free / 2**30:.0f} GiB available")
 
 
 def build(name: str, dtype: str, device: str, seed: int = 0, logit_scale: float = 1.0):
@@ -228,12 +192,13 @@ def write_checkpoint(name: str, out_dir: str, seed: int = 0, logit_std: float = 
     import torch
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 
+    from spectie.memory import check_fits
     from spectie.organism import organism_dir, write_release
     from spectie.prompts import PromptSpec, build_prompt
     from spectie.tokenizer import model_tokenizer
 
     release = release_config(name)  # an unknown shape fails here, before anything is built
-    check_memory(name, ["bfloat16"], device)
+    check_fits(name, parameter_count(name), ["bfloat16"], device, built_in_float32=True)
     out = Path(out_dir)
     tokenizer_src = organism_dir()
     prompt = build_prompt(PromptSpec(tokens=1845, seed=0).check(), model_tokenizer(str(tokenizer_src)))

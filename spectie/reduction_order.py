@@ -233,7 +233,9 @@ def check_plan(device: str, dtypes: list[str], shapes: list[str], kernels: list[
         raise UsageError("give at least one shape")
     plan = [parse_shape(s) for s in shapes]
     if model is not None and qwen_shapes.is_shape(model):
-        qwen_shapes.check_memory(model, [body_dtype(d) for d in [*dtypes, reference_dtype]], device)
+        from spectie.host import check_fits
+
+        check_fits(model, [body_dtype(d) for d in [*dtypes, reference_dtype]], device)
     return plan
 
 

@@ -170,36 +170,44 @@ def verdict(records: list[dict], environments: dict[str, dict]) -> Verdict:
     result.caveats += [divergence_sentence(row) for row in divergences if row["outside"]]
 
     result.tie_note = tie_note(ref, [row["threshold"] for row in divergences]) if ref is not None else ""
-    if result.answer == NEAR_TIE and trained:
-        result.strength = STRONG
-        result.why_strength = "a trained Qwen3.5 model measured here shows the fp32 and bf16 winners disagree"
-    elif result.answer == NEAR_TIE and plain_stops and mechanism:
-        result.strength = MODERATE
-        result.why_strength = ("the near-tie is the incident's own reported measurement on the real model, and "
-                               "plain greedy stops there too (reported); this project reproduced the mechanism — "
-                               "speculation taking the other side of a near-tie through real vLLM, inside the "
-                               "noise band — on a tiny model only")
-    else:
-        result.why_strength = ("the records lack " + ", ".join(
-            need for need, have in (("references that disagree on the winner", ref is not None and ref.flipped),
-                                    ("a plain-greedy stop at the same position", plain_stops),
-                                    ("a measured speculative near-tie through vLLM", bool(mechanism))) if not have))
+    result.strength, result.why_strength = _strength(result.answer, bool(trained), plain_stops, bool(mechanism),
+                                                     ref is not None and ref.flipped)
+    result.not_measured = _not_measured(records, environments, bool(measured_qwen))
+    return result
 
+
+def _strength(answer: str, trained: bool, plain_stops: bool, mechanism: bool, flipped: bool) -> tuple[str, str]:
+    """How strong the verdict's evidence is, and why (see `verdict`)."""
+    if answer == NEAR_TIE and trained:
+        return STRONG, "a trained Qwen3.5 model measured here shows the fp32 and bf16 winners disagree"
+    if answer == NEAR_TIE and plain_stops and mechanism:
+        return MODERATE, ("the near-tie is the incident's own reported measurement on the real model, and plain "
+                          "greedy stops there too (reported); this project reproduced the mechanism — speculation "
+                          "taking the other side of a near-tie through real vLLM, inside the noise band — on a tiny "
+                          "model only")
+    return WEAK, "the records lack " + ", ".join(
+        need for need, have in (("references that disagree on the winner", flipped),
+                                ("a plain-greedy stop at the same position", plain_stops),
+                                ("a measured speculative near-tie through vLLM", mechanism)) if not have)
+
+
+def _not_measured(records: list[dict], environments: dict[str, dict], measured_qwen: bool) -> list[str]:
+    """What the records do not hold: a trained Qwen3.5 run, the incident's environments and releases, spreads."""
+    said = []
     if not measured_qwen:
-        result.not_measured.append("no trained Qwen3.5 model was run for this report: every Qwen3.5 figure is "
-                                   "the incident's, reported")
+        said.append("no trained Qwen3.5 model was run for this report: every Qwen3.5 figure is the incident's, "
+                    "reported")
     missing = unmeasured_environments(records, environments)
     if missing:
-        result.not_measured.append("the incident's environments were not run here: " + ", ".join(
+        said.append("the incident's environments were not run here: " + ", ".join(
             f"{environments[e]['title']}" for e in missing))
     ran = gpu_releases(records)
     unrun = [v for v in incident_releases(environments) if v not in ran]
     if unrun:
-        result.not_measured.append(
-            f"the incident's vLLM release{'s' if len(unrun) > 1 else ''} {' and '.join(unrun)} did not run here on "
-            "a GPU" + (f" (the GPU runs here are of vLLM {' and '.join(ran)}, measured)" if ran else ""))
-    result.not_measured.append(spread_sentence(records))
-    return result
+        said.append(f"the incident's vLLM release{'s' if len(unrun) > 1 else ''} {' and '.join(unrun)} did not run "
+                    "here on a GPU" + (f" (the GPU runs here are of vLLM {' and '.join(ran)}, measured)" if ran else ""))
+    said.append(spread_sentence(records))
+    return said
 
 
 SPREAD_SHAPE = "qwen3.5-9b-shape"

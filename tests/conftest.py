@@ -10,6 +10,9 @@ import pytest
 from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parent.parent
+# vLLM importable in this environment (the CPU build after `make setup`; no vLLM on a GPU host's project venv)
+HAS_VLLM = subprocess.run([sys.executable, "-c", "import importlib.util as u; exit(u.find_spec('vllm') is None)"],
+                          capture_output=True).returncode == 0
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ... under pytest-xdist; None in a single process
 # Each test worker computes on one thread and starts its vLLM CPU engines on a core of its own: two engines that
 # both bind to core 0 (vLLM's automatic binding), or OpenMP threads of two workers on one core, spin against each

@@ -4,10 +4,7 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
-
-import pytest
 
 from conftest import ROOT, make, stale_chapters
 from spectie.fingerprint import host_id

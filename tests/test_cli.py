@@ -4,9 +4,9 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import ROOT
+
 
 
 def spectie(*args, cwd=ROOT):

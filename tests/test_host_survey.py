@@ -4,27 +4,23 @@ import json
 import os
 import stat
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from conftest import run_cli
 from spectie import guidance, host, survey
 from spectie.environments import get_environment
+from spectie.fingerprint import Gpu
 from spectie.errors import UsageError
 from spectie.records import validate_record
 
-ROOT = Path(__file__).resolve().parent.parent
-HAS_VLLM = subprocess.run([sys.executable, "-c", "import importlib.util as u; exit(u.find_spec('vllm') is None)"],
-                          capture_output=True).returncode == 0
 
 
 @pytest.fixture
 def fake_nvidia_smi(tmp_path, monkeypatch):
     """An nvidia-smi on PATH that answers the query as an H200 host does (its output format)."""
     script = tmp_path / "nvidia-smi"
-    script.write_text("#!/bin/sh\necho 'NVIDIA H200, 580.159.03, 143771, 143000'\n")
+    script.write_text("#!/bin/sh\necho 'NVIDIA H200, 580.159.03, GPU-0, 143771, 143000'\n")
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     return script
@@ -35,8 +31,8 @@ def fake_rtx4090x2(tmp_path, monkeypatch):
     """An nvidia-smi on PATH that answers as a host with two RTX 4090 and a driver other than the
     reporter's (591.44, named by v0.31.0-rtx4090x2), with almost no free memory."""
     script = tmp_path / "nvidia-smi"
-    script.write_text("#!/bin/sh\necho 'NVIDIA GeForce RTX 4090, 580.95.05, 24564, 1'\n"
-                      "echo 'NVIDIA GeForce RTX 4090, 580.95.05, 24564, 1'\n")
+    script.write_text("#!/bin/sh\necho 'NVIDIA GeForce RTX 4090, 580.95.05, GPU-0, 24564, 1'\n"
+                      "echo 'NVIDIA GeForce RTX 4090, 580.95.05, GPU-1, 24564, 1'\n")
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     return script
@@ -44,7 +40,7 @@ def fake_rtx4090x2(tmp_path, monkeypatch):
 
 def test_gpus_are_read_from_nvidia_smi(fake_nvidia_smi):
     [gpu] = host.gpus()
-    assert gpu == host.Gpu("NVIDIA H200", "580.159.03", 143771 * 2**20, 143000 * 2**20)
+    assert gpu == Gpu("NVIDIA H200", "580.159.03", "GPU-0", 143771 * 2**20, 143000 * 2**20)
 
 
 def test_a_gpu_environment_on_a_host_without_a_gpu_is_refused(monkeypatch):

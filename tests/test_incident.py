@@ -2,15 +2,14 @@
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 
+from conftest import ROOT
 from spectie import incident
 from spectie.environments import check_record_environments, environment_status, load_environments
 from spectie.records import load_records
 
-ROOT = Path(__file__).resolve().parent.parent
 BRIEF = ROOT / "sources" / "incident.md"
 NUMBER = re.compile(r"\d+(?:\.\d+)*")
 

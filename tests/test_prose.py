@@ -8,9 +8,9 @@ each with why it is not a record's figure.
 
 import json
 import re
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import ROOT
+
 
 ALLOWED = {
     "8 significant bits": "bf16's format, not a measurement",

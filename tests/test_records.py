@@ -208,8 +208,8 @@ def test_records_say_which_code_made_them_and_how(monkeypatch):
     assert printed["source_commit"] == head.strip() and printed["source_dirty"] is bool(changed.strip())
     assert printed["entry_point"] == "spectie run (make run)"
     monkeypatch.delenv(fingerprint.ENTRY_VARIABLE)
-    monkeypatch.setattr(sys, "argv", [str(root / "scripts" / "margins_without_papermill.py")])
-    assert fingerprint.entry_point() == "scripts/margins_without_papermill.py"
+    monkeypatch.setattr(sys, "argv", [str(root / "scripts" / "fix_ledger.py")])
+    assert fingerprint.entry_point() == "scripts/fix_ledger.py"
     monkeypatch.setenv(fingerprint.COMMIT_VARIABLE, "1" * 40)  # a carried tree whose .git is stale: stated wins
     assert fingerprint.source_revision() == {"commit": "1" * 40, "dirty": None}
     monkeypatch.setattr(fingerprint, "project_root", lambda: root / "nowhere", raising=False)

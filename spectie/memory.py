@@ -1,0 +1,37 @@
+"""The project's one memory estimate: what a model needs in a precision, what is free where it will live, and the
+refusal when it does not fit (used by the host check of `make run`, the chapters before they load a model, and
+random-weight shapes before they are built). It imports nothing of the package but the GPU reader."""
+
+from __future__ import annotations
+
+from spectie.errors import UsageError
+from spectie.fingerprint import gpus, host_memory
+
+GIB = 2**30
+SLACK = 1.25  # activations, the other precision's copy during a cast, the allocator's reserve
+BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}  # per parameter (spectie.model.DTYPES)
+
+
+def needed(parameters: int, dtype: str, built_in_float32: bool = False) -> int:
+    """Bytes for `parameters` in `dtype`, with their float32 copy when the weights are built in float32 and then
+    cast (random-weight shapes), times SLACK."""
+    if dtype not in BYTES:
+        raise UsageError(f"unknown dtype {dtype!r}; valid: {', '.join(BYTES)}")
+    return int(parameters * (BYTES[dtype] + 4 * (built_in_float32 and dtype != "float32")) * SLACK)
+
+
+def free(device: str) -> tuple[int, str]:
+    """Bytes free where a model on `device` lives, and where that is: the first GPU's (nvidia-smi) for cuda, else
+    the memory available on this host."""
+    found = gpus() if device.startswith("cuda") else []
+    return (found[0].free, "free on the GPU") if found else (host_memory(), "available on this host")
+
+
+def check_fits(model: str, parameters: int, dtypes: list[str], device: str, built_in_float32: bool = False) -> None:
+    """Refuse a precision whose model cannot fit, saying what it needs and what is free."""
+    available, where = free(device)
+    for dtype in dtypes:
+        need = needed(parameters, dtype, built_in_float32)
+        if need > available:
+            raise UsageError(f"model {model!r} needs about {need / GIB:.1f} GiB in {dtype}, only "
+                             f"{available / GIB:.1f} GiB {where}: free memory or use a host with more")
