@@ -1,8 +1,6 @@
 """Divergence classifier on the organism: a planted state bug, identical pairs, bad input, the command line."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -127,13 +125,13 @@ def test_bad_input_is_refused_before_any_model_loads():
 
 
 def test_the_command_line_classifies_a_pair_file(organism_runs, tmp_path):
-    """`python -m spectie classify` once as a process (the entry point and its exit code), then in this process."""
+    """`spectie classify` (in this process: tests/test_cli.py runs the entry point as a process): a suspected bug
+    exits 1, identical runs 0, what it cannot read 2."""
     run = lambda *args: run_cli("classify", *args)  # noqa: E731
     prompt, plain, buggy = organism_runs
     bug = tmp_path / "bug.json"
     bug.write_text(json.dumps({"prompt_token_ids": prompt, "a": buggy, "b": plain, "model": "organism"}))
-    result = subprocess.run([sys.executable, "-m", "spectie", "classify", str(bug), "--json", "--threshold",
-                             str(ORGANISM_BAND)], cwd=ROOT, capture_output=True, text=True)
+    result = run(str(bug), "--json", "--threshold", str(ORGANISM_BAND))
     assert result.returncode == 1 and json.loads(result.stdout)["verdict"] == divergence.SUSPECTED_BUG
     same = tmp_path / "same.json"
     same.write_text(json.dumps({"prompt_token_ids": prompt, "a": plain, "b": plain}))
