@@ -273,7 +273,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spectie", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    _chapter_commands(sub)
+    _operator_commands(sub)
+    _guard_command(sub)
+    return parser
 
+
+def _chapter_commands(sub) -> None:
+    """build, run, venv, stale, check, list: the book's chapters, environments and records."""
     p = sub.add_parser("build", help="execute every stale chapter into book/generated/")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_build)
@@ -304,6 +311,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--results-dir", default=None, help="folder of records (default results/)")
     p.set_defaults(func=_cmd_check)
 
+    p = sub.add_parser("list", help="list chapters and environments")
+    p.set_defaults(func=_cmd_list)
+
+
+def _operator_commands(sub) -> None:
+    """tiestop, classify, fixes: the operator's tools."""
     p = sub.add_parser("tiestop", epilog=EXIT_CODES, help="flag completions whose stop token won by less than the noise band",
                        description="Flag completions (JSONL of OpenAI-compatible responses from vllm serve, "
                                    "requested with top-2 logprobs) whose stop token won by a margin inside the "
@@ -334,6 +347,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="the verdict as one JSON object")
     p.set_defaults(func=_cmd_classify)
 
+    p = sub.add_parser("fixes", epilog=EXIT_CODES, help="which public fixes a vLLM release carries (the fix ledger)",
+                       description="Which public fixes for GDN state and speculative-decoding failures a vLLM release "
+                                   "carries, as read from the released wheels' source (sources/fix_ledger.md).")
+    p.add_argument("--vllm", help="a vLLM version (default: the one installed here)")
+    p.add_argument("--json", action="store_true", help="the rows as one JSON list")
+    p.set_defaults(func=_cmd_fixes)
+
+
+def _guard_command(sub) -> None:
+    """guard: the workaround in front of vllm serve."""
     p = sub.add_parser("guard", epilog=GUARD_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
                        help="resume near-tie end-of-text stops before they reach the client (vllm serve)",
                        description="In front of vllm serve: a greedy, non-streaming completion that ends on an "
@@ -354,17 +377,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="serve: address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8001, help="serve: port to listen on (default 8001)")
     p.set_defaults(func=_cmd_guard)
-
-    p = sub.add_parser("fixes", epilog=EXIT_CODES, help="which public fixes a vLLM release carries (the fix ledger)",
-                       description="Which public fixes for GDN state and speculative-decoding failures a vLLM release "
-                                   "carries, as read from the released wheels' source (sources/fix_ledger.md).")
-    p.add_argument("--vllm", help="a vLLM version (default: the one installed here)")
-    p.add_argument("--json", action="store_true", help="the rows as one JSON list")
-    p.set_defaults(func=_cmd_fixes)
-
-    p = sub.add_parser("list", help="list chapters and environments")
-    p.set_defaults(func=_cmd_list)
-    return parser
 
 
 @functools.cache
