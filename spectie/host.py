@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from spectie.errors import UsageError
-from spectie.fingerprint import gpus, host_memory
+from spectie.fingerprint import gpus
 
 GIB = 2**30
 MODEL_DTYPE = {"reproduce": "bfloat16"}  # vLLM serves the checkpoint's bf16; the others compute fp32 references
@@ -143,11 +143,12 @@ def _memory(chapter: str, model, found: list, device: str) -> tuple[str | None, 
     """What the model needs against what is free where it will live: (the line, or the problem), or (None, False)."""
     if model is None:
         return None, False
+    from spectie import memory
+
     dtype = MODEL_DTYPE.get(chapter, "float32")
     need = memory_needed(str(model), dtype)
-    on_gpu = bool(found) and (device.startswith("cuda") or chapter == "reproduce")
-    free, where = (found[0].free, "free on the GPU") if on_gpu else (host_memory(), "available on this host")
-    if need > free:
-        return (f"model {model!r} needs about {need / GIB:.1f} GiB in {dtype}, only {free / GIB:.1f} GiB "
-                f"{where}: free memory or use a host with more"), True
+    free, where = memory.free("cuda" if chapter == "reproduce" else device, found)  # vLLM serves on the GPU
+    why = memory.shortfall(model, need, dtype, free, where)
+    if why:
+        return why, True
     return f"model: {model}, needs about {need / GIB:.1f} GiB in {dtype}; {free / GIB:.1f} GiB {where}", False

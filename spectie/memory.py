@@ -20,18 +20,28 @@ def needed(parameters: int, dtype: str, built_in_float32: bool = False) -> int:
     return int(parameters * (BYTES[dtype] + 4 * (built_in_float32 and dtype != "float32")) * SLACK)
 
 
-def free(device: str) -> tuple[int, str]:
-    """Bytes free where a model on `device` lives, and where that is: the first GPU's (nvidia-smi) for cuda, else
-    the memory available on this host."""
-    found = gpus() if device.startswith("cuda") else []
+def free(device: str, found: list | None = None) -> tuple[int, str]:
+    """Bytes free where a model on `device` lives, and where that is: the first GPU's (nvidia-smi; `found`: the
+    GPUs already read) for cuda, else the memory available on this host."""
+    if device.startswith("cuda"):
+        found = gpus() if found is None else found
+    else:
+        found = []
     return (found[0].free, "free on the GPU") if found else (host_memory(), "available on this host")
+
+
+def shortfall(model: str, need: int, dtype: str, available: int, where: str) -> str | None:
+    """Why `model` does not fit (None where it does)."""
+    if need <= available:
+        return None
+    return (f"model {model!r} needs about {need / GIB:.1f} GiB in {dtype}, only {available / GIB:.1f} GiB {where}: "
+            "free memory or use a host with more")
 
 
 def check_fits(model: str, parameters: int, dtypes: list[str], device: str, built_in_float32: bool = False) -> None:
     """Refuse a precision whose model cannot fit, saying what it needs and what is free."""
     available, where = free(device)
     for dtype in dtypes:
-        need = needed(parameters, dtype, built_in_float32)
-        if need > available:
-            raise UsageError(f"model {model!r} needs about {need / GIB:.1f} GiB in {dtype}, only "
-                             f"{available / GIB:.1f} GiB {where}: free memory or use a host with more")
+        why = shortfall(model, needed(parameters, dtype, built_in_float32), dtype, available, where)
+        if why:
+            raise UsageError(why)

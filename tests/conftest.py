@@ -93,15 +93,20 @@ def make(target, root, *args):
 def run_cli(*argv: str) -> subprocess.CompletedProcess:
     """`python -m spectie <argv>` in this process (spectie.cli.main: the same parser, output and exit codes, without
     starting Python and torch again); test_cli.py runs the entry point as a process."""
+    from spectie import cli
+
+    return run_main(cli.main, *argv)
+
+
+def run_main(main, *argv: str) -> subprocess.CompletedProcess:
+    """A command line's `main(argv)` in this process, its exit code and what it printed."""
     import contextlib
     import io
-
-    from spectie import cli
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            code = cli.main(list(argv))
+            code = main(list(argv))
         except SystemExit as exc:  # --help, and argparse's usage errors
             code = exc.code
     return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())

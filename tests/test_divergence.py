@@ -47,10 +47,9 @@ def test_identical_sequences_are_said_to_be_identical(organism_runs):
 def test_a_stop_where_the_other_run_goes_on_is_a_divergence_at_the_incidents_own_tie(organism_runs):
     """The incident's case on the organism: one run ends right after `[DATA] id=42 name=` (its output is a
     prefix of the other's), the other writes DATA there. That is the designed EOS/DATA near-tie."""
-    from spectie.tokenizer import model_tokenizer
-
     from spectie.model import resolve_model
     from spectie.prompts import PromptSpec, build_prompt
+    from spectie.tokenizer import model_tokenizer
 
     prompt, plain, _ = organism_runs
     tokenizer = model_tokenizer(resolve_model("organism"))

@@ -7,13 +7,12 @@ import subprocess
 
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, run_main
 from spectie import guidance, host, survey
 from spectie.environments import get_environment
-from spectie.fingerprint import Gpu
 from spectie.errors import UsageError
+from spectie.fingerprint import Gpu
 from spectie.records import validate_record
-
 
 
 @pytest.fixture
@@ -65,15 +64,10 @@ def test_a_matching_host_passes_and_says_what_it_has(fake_nvidia_smi):
 def without_gpu(monkeypatch, main, *args: str) -> subprocess.CompletedProcess:
     """A command line's `main(args)` in this process with no nvidia-smi on PATH; it must stop with a usage error
     (exit 2)."""
-    import contextlib
-    import io
-
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(args))
-    assert code == 2, err.getvalue()
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+    result = run_main(main, *args)
+    assert result.returncode == 2, result.stderr
+    return result
 
 
 def test_a_gpu_environment_computed_on_the_cpu_is_refused(fake_nvidia_smi):
@@ -123,8 +117,10 @@ def test_make_run_is_strict_about_the_driver_only_when_asked(fake_rtx4090x2, mon
 
 
 def test_a_model_larger_than_memory_is_refused_before_loading(monkeypatch):
+    from spectie import memory
+
     monkeypatch.setattr(host, "gpus", lambda: [])
-    monkeypatch.setattr(host, "host_memory", lambda: 4 * 2**30)
+    monkeypatch.setattr(memory, "host_memory", lambda: 4 * 2**30)
     with pytest.raises(UsageError, match=r"model 'qwen3.5-9b-shape' needs about \d+\.\d GiB in float32, only 4.0 GiB"):
         host.check("reduction_order", get_environment("cpu"), {"model": "qwen3.5-9b-shape", "device": "cpu"})
     with pytest.raises(UsageError, match="is neither a folder with a config.json nor a hub id"):
