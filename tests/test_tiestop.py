@@ -75,7 +75,7 @@ def test_only_an_end_of_text_token_is_read_as_the_stop():
     assert not verdict.flagged and verdict.margin is None and verdict.stop_token == "DATA"
     assert "is not an end-of-text token of the model (<|endoftext|>, <|im_end|> (ids 248044, 248046))" in verdict.explanation
     assert tiestop.check(cut, 0.5).flagged  # without the model's tokens the last token is taken as the stop
-    [biased] = tiestop.from_openai(chat_response(-11.0, -0.5))  # a logit bias chose end-of-text (measured below)
+    [biased] = tiestop.from_openai(chat_response(-11.0, -0.5))  # a logit bias chose end-of-text (vLLM's logprobs are raw ones: before the bias)
     verdict = tiestop.check(biased, 0.5, stops)
     assert not verdict.flagged and verdict.margin == pytest.approx(-10.5) and "not greedy decoding" in verdict.explanation
     assert "outside the noise band" in verdict.explanation
