@@ -155,31 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             from spectie.environments import get_environment
 
             get_environment(args.env)  # before any heavy work
-        if args.record_from:
-            dump = json.load(open(args.record_from))
-        else:
-            from spectie import host
-            from spectie.chapters import current_hash
-            from spectie.environments import get_environment
-            from spectie.fingerprint import environment_fingerprint, now
-
-            if args.env:  # the same host checks as make run, before any model is built
-                for line in host.check("reduction_order", get_environment(args.env),
-                                       {"device": args.device, "model": args.model}):
-                    print(f"host check: {line}")
-
-            started_at = now()
-            print(f"benchmark: {args.model} on {args.device}, {args.prompt_tokens}+{args.new_tokens} tokens")
-            results = run(args.model, args.device, args.dtypes.split(","), SHAPES, args.prompt_tokens, args.new_tokens,
-                          args.repeats)
-            if results["bf16_matmul_flops_per_s"]:
-                print(f"bf16 matmul rate ({GPU_MATMUL_SIZE}^3): {results['bf16_matmul_flops_per_s'] / 1e12:.1f} TFLOP/s")
-            dump = {"results": results, "started_at": started_at, "finished_at": now(),
-                    "fingerprint": environment_fingerprint(args.dtypes, args.model),
-                    "content_hash": current_hash("reduction_order")}
-            if args.dump:
-                with open(args.dump, "w") as handle:
-                    json.dump(dump, handle)
+        dump = json.load(open(args.record_from)) if args.record_from else measure(args)
         if args.env:
             from spectie.records import measured_path, write_record
 
@@ -190,6 +166,30 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     return 0
 
+
+def measure(args) -> dict:
+    """The benchmark the command line asks for (after the same host checks as make run, with --env), as a dump:
+    its results, when, where, and the chapter's content hash; written to --dump where given."""
+    from spectie import host
+    from spectie.chapters import current_hash
+    from spectie.environments import get_environment
+    from spectie.fingerprint import environment_fingerprint, now
+
+    if args.env:  # the same host checks as make run, before any model is built
+        for line in host.check("reduction_order", get_environment(args.env), {"device": args.device, "model": args.model}):
+            print(f"host check: {line}")
+    started_at = now()
+    print(f"benchmark: {args.model} on {args.device}, {args.prompt_tokens}+{args.new_tokens} tokens")
+    results = run(args.model, args.device, args.dtypes.split(","), SHAPES, args.prompt_tokens, args.new_tokens,
+                  args.repeats)
+    if results["bf16_matmul_flops_per_s"]:
+        print(f"bf16 matmul rate ({GPU_MATMUL_SIZE}^3): {results['bf16_matmul_flops_per_s'] / 1e12:.1f} TFLOP/s")
+    dump = {"results": results, "started_at": started_at, "finished_at": now(),
+            "fingerprint": environment_fingerprint(args.dtypes, args.model), "content_hash": current_hash("reduction_order")}
+    if args.dump:
+        with open(args.dump, "w") as handle:
+            json.dump(dump, handle)
+    return dump
 
 if __name__ == "__main__":
     sys.exit(main())

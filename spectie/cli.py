@@ -128,7 +128,7 @@ def _cmd_list(args) -> int:
 def _cmd_tiestop(args) -> int:
     import json
 
-    from spectie import tiestop
+    from spectie import thresholds, tiestop
     from spectie.model import resolve_model
 
     if not args.files and not args.record:
@@ -146,9 +146,9 @@ def _cmd_tiestop(args) -> int:
     if args.threshold is not None:
         threshold, origin = args.threshold, "given with --threshold"
     elif model:
-        threshold, origin = tiestop.detector_threshold_for_model(model, device)
+        threshold, origin = thresholds.detector_threshold_for_model(model, device)
     else:
-        threshold, origin = tiestop.default_threshold()
+        threshold, origin = thresholds.default_threshold()
     stops = tiestop.end_of_text(model) if model else None
     verdicts = [tiestop.check(c, threshold, stops) for c in completions]
     if args.json:

@@ -26,6 +26,7 @@ from spectie.errors import UsageError
 NEAR_TIE = "numerical near-tie"
 SUSPECTED_BUG = "suspected correctness bug"
 IDENTICAL = "identical"
+NEAR_TIE_LABEL, BUG_LABEL = "near-tie", "bug"  # the same two verdicts as stored in case files and verdict records
 
 
 @dataclass(frozen=True)
@@ -192,19 +193,13 @@ def scorer(path: str, device: str = "cpu", serving_dtype: str = "bfloat16") -> S
     return _SCORERS[key]
 
 
-def classify(model: str, prompt_ids: list[int], tokens_a: list[int], tokens_b: list[int],
-             threshold: float | None = None, device: str = "cpu", serving_dtype: str = "bfloat16") -> Divergence:
-    """Classify the first divergence of `tokens_a` from `tokens_b` (outputs generated after `prompt_ids`).
-
-    Also checks every token of both sequences against the fp32 reference from its own context: a correct
-    engine, whatever its computation order, picks a token within the noise band of the reference's top-1.
-    `threshold`: the noise band in logits; default the recorded bf16 band of the nearest model size."""
+def checked_model(model: str, prompt_ids: list[int], tokens_a: list[int], tokens_b: list[int],
+                  threshold: float | None, device: str, serving_dtype: str) -> str:
+    """The model's folder, once the device, the precision, the three token lists (ids within its vocabulary, none
+    empty) and the threshold are checked (UsageError)."""
     from transformers import AutoConfig
 
-    from spectie.model import check_device, end_of_text_ids, resolve_model, torch_dtype
-    from spectie.engines.runner import first_divergence
-    from spectie.tiestop import threshold_for_model
-    from spectie.tokenizer import model_tokenizer
+    from spectie.model import check_device, resolve_model, torch_dtype
 
     check_device(device)
     torch_dtype(serving_dtype)
@@ -217,28 +212,14 @@ def classify(model: str, prompt_ids: list[int], tokens_a: list[int], tokens_b: l
         raise UsageError("the prompt and both sequences need at least one token")
     if threshold is not None and not threshold >= 0:
         raise UsageError(f"the threshold must be a margin in logits >= 0, got {threshold!r}")
-    index = first_divergence(tokens_a, tokens_b)
-    if index is None:
-        return Divergence(IDENTICAL, None, None, None, None, None, None, None, None, None, None, [], [],
-                          threshold if threshold is not None else float("nan"), "given" if threshold is not None else "",
-                          "no divergence: the two sequences are identical")
-    eos_ids = end_of_text_ids(path)
-    if index == len(tokens_a) < len(tokens_b):  # a strict prefix: the shorter one lost its end-of-text
-        tokens_a = tokens_a + eos_ids[:1]
-    elif index == len(tokens_b) < len(tokens_a):
-        tokens_b = tokens_b + eos_ids[:1]
-    stopped, stop_position = stop_where_other_goes_on(tokens_a, tokens_b, eos_ids)
-    tokenizer = model_tokenizer(path)
-    decode = lambda token: tokenizer.decode([token])  # noqa: E731
-    a, b = tokens_a[index], tokens_b[index]
-    origin = "given"
-    if threshold is None:
-        threshold, origin = threshold_for_model(path)
-    found = scores(path, prompt_ids, tokens_a, tokens_b, index, device, serving_dtype)
-    margin = found["margin"]
-    outside_a = trailing(found["gaps_a"], tokens_a, threshold, decode)
-    outside_b = trailing(found["gaps_b"], tokens_b, threshold, decode)
-    text_a, text_b = decode(a), decode(b)
+    return path
+
+
+def judge(index: int, text_a: str, text_b: str, margin: float, threshold: float, outside_a: list[dict],
+          outside_b: list[dict], stopped: str | None, stop_position: int | None) -> tuple[str, str]:
+    """The verdict on a first divergence at output token `index` and its explanation: a suspected bug when fp32 puts
+    the two tokens further apart than the band, or when a later token of either sequence trails fp32's own choice
+    by more than the band (`outside_a`, `outside_b`); else a near-tie."""
     # The explanation counts output tokens from 1, as the book's tables do; `position` fields stay 0-based.
     head = f"at output token {index + 1}, {text_a!r} and {text_b!r} are {abs(margin):.3f} logits apart in fp32"
     if stop_position == index:
@@ -261,6 +242,46 @@ def classify(model: str, prompt_ids: list[int], tokens_a: list[int], tokens_b: l
     if stop_position is not None and stop_position != index:
         explanation += (f"; sequence {stopped} later stops (end-of-text at output token {stop_position + 1}) where the other "
                         "goes on: that stop follows from this first divergence, not from a tie of its own")
+    return verdict, explanation
+
+
+def classify(model: str, prompt_ids: list[int], tokens_a: list[int], tokens_b: list[int],
+             threshold: float | None = None, device: str = "cpu", serving_dtype: str = "bfloat16") -> Divergence:
+    """Classify the first divergence of `tokens_a` from `tokens_b` (outputs generated after `prompt_ids`).
+
+    Also checks every token of both sequences against the fp32 reference from its own context: a correct
+    engine, whatever its computation order, picks a token within the noise band of the reference's top-1.
+    `threshold`: the noise band in logits; default the recorded bf16 band of the nearest model size."""
+    from spectie.completions import first_divergence
+    from spectie.model import end_of_text_ids
+    from spectie.thresholds import threshold_for_model
+    from spectie.tokenizer import model_tokenizer
+
+    path = checked_model(model, prompt_ids, tokens_a, tokens_b, threshold, device, serving_dtype)
+    index = first_divergence(tokens_a, tokens_b)
+    if index is None:
+        return Divergence(IDENTICAL, None, None, None, None, None, None, None, None, None, None, [], [],
+                          threshold if threshold is not None else float("nan"), "given" if threshold is not None else "",
+                          "no divergence: the two sequences are identical")
+    eos_ids = end_of_text_ids(path)
+    if index == len(tokens_a) < len(tokens_b):  # a strict prefix: the shorter one lost its end-of-text
+        tokens_a = tokens_a + eos_ids[:1]
+    elif index == len(tokens_b) < len(tokens_a):
+        tokens_b = tokens_b + eos_ids[:1]
+    stopped, stop_position = stop_where_other_goes_on(tokens_a, tokens_b, eos_ids)
+    tokenizer = model_tokenizer(path)
+    decode = lambda token: tokenizer.decode([token])  # noqa: E731
+    a, b = tokens_a[index], tokens_b[index]
+    origin = "given"
+    if threshold is None:
+        threshold, origin = threshold_for_model(path)
+    found = scores(path, prompt_ids, tokens_a, tokens_b, index, device, serving_dtype)
+    margin = found["margin"]
+    outside_a = trailing(found["gaps_a"], tokens_a, threshold, decode)
+    outside_b = trailing(found["gaps_b"], tokens_b, threshold, decode)
+    text_a, text_b = decode(a), decode(b)
+    verdict, explanation = judge(index, text_a, text_b, margin, threshold, outside_a, outside_b, stopped,
+                                 stop_position)
     return Divergence(verdict, index, a, b, text_a, text_b, margin, found["served_margin"], decode(found["top1"]),
                       found["rank_a"], found["rank_b"], outside_a, outside_b, threshold, origin, explanation,
                       stopped, stop_position)
@@ -323,72 +344,6 @@ def openai_token_ids(response: dict, name: str) -> tuple[list[int] | None, list[
     return choice.get("prompt_token_ids") or response.get("prompt_token_ids"), ids
 
 
-# Planted bugs, one per public class an operator must tell from a near-tie (greedy_with_bug):
-BUGS = {
-    "lost-state": "every GDN layer reads its recurrent state from an empty slot (zeros): the state read from "
-                  "the wrong slot of vLLM #39273",
-    "stale-state": "every GDN layer reads the recurrent state saved at the end of the prompt (block 0) instead "
-                   "of its last one: a state read from an earlier block (#39273's fixes)",
-    "conv-offset": "once, every GDN layer's convolution state is read one token off (rolled by one position)",
-    "gate-shift": "every GDN layer's gates (decay and beta) come from the previous token: gates misaligned by "
-                  "one token (#51812)",
-    "forced-eos": "end-of-text is written once whatever the model computes: a stop forced at a draft position "
-                  "(the premature end-of-text of #41467)",
-}
-
-
-def greedy_with_bug(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: list[int], bug: str,
-                    corrupt_at: int) -> list[int]:
-    """Greedy decoding one token per step with a planted bug of class `bug` (BUGS) from output token
-    `corrupt_at` on. Returns the output token ids."""
-    import torch
-
-    if bug not in BUGS:
-        raise UsageError(f"unknown planted bug {bug!r}; valid: {', '.join(BUGS)}")
-    if corrupt_at < 0:
-        raise UsageError("corrupt_at is an output token index (>= 0)")
-    device = next(model.parameters()).device
-    gdn = [m for m in model.modules() if hasattr(m, "in_proj_a") and hasattr(m, "in_proj_b")]
-    shifted = {"on": False, "last": {}}
-
-    def previous_gate(module, args, output):  # the gate of the token before, once the bug is on
-        previous = shifted["last"].get(module)
-        shifted["last"][module] = output[:, -1:].detach().clone()
-        return previous if shifted["on"] and previous is not None else output
-
-    hooks = [p.register_forward_hook(previous_gate) for m in gdn for p in (m.in_proj_a, m.in_proj_b)] \
-        if bug == "gate-shift" else []
-    output = []
-    try:
-        with torch.no_grad():
-            # Only the last position's logits, as generate() computes them: the output head over every prompt row
-            # would cost far more than the whole decoding (Qwen3.5's vocabulary is 248k).
-            out = model(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True, logits_to_keep=1)
-            cache = out.past_key_values
-            layers = [layer for layer in cache.layers if hasattr(layer, "recurrent_states")]  # GDN layers
-            saved = [layer.recurrent_states[0].clone() for layer in layers]  # the state at the prompt's end
-            for step in range(max_new_tokens):
-                token = int(out.logits[0, -1].argmax())
-                if bug == "forced-eos" and step == corrupt_at:
-                    token = eos_ids[0]
-                output.append(token)
-                if token in eos_ids:
-                    break
-                if bug == "lost-state" and step >= corrupt_at:
-                    for layer in layers:
-                        layer.recurrent_states[0].zero_()
-                elif bug == "stale-state" and step >= corrupt_at:
-                    for layer, state in zip(layers, saved):
-                        layer.recurrent_states[0].copy_(state)
-                elif bug == "conv-offset" and step == corrupt_at:
-                    for layer in layers:
-                        layer.conv_states[0].copy_(layer.conv_states[0].roll(1, dims=-1))
-                shifted["on"] = step >= corrupt_at
-                out = model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache, use_cache=True)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return output
 
 
 def pair_from_records(record: dict, baseline: dict, repeat: int = 0) -> dict:
@@ -430,215 +385,3 @@ def baseline_record(record_path: str | Path) -> dict:
         if same_run and other["parameters"].get("configuration") == name:
             return other
     raise UsageError(f"no record of the baseline configuration {name!r} beside {record_path}")
-
-
-# ------------------------------------------------------------------------------ labelled cases
-CASES = "sources/classifier_cases.json"  # the labelled cases, built once on the organism and kept as data
-NEAR_TIE_LABEL, BUG_LABEL = "near-tie", "bug"
-CASE_SEEDS = (0, 1, 2)  # planted bugs
-TIE_SEEDS = tuple(range(8))  # designed ties
-CORRUPT_AT = (0, 14)  # the planted bug from the first output token on, or from output token 15 on
-CASE_TOKENS = 48
-DIGIT_TIE = 0.05  # a digit near-tie of the labelled cases: fp32's top two tokens, both digits, at most this far apart
-
-
-def digit_tie(reference, prompt_ids: list[int], output: list[int], decode) -> tuple[int, int] | None:
-    """The first output position where the fp32 `reference` puts two digits on top at most DIGIT_TIE logits apart
-    and `output` wrote one of them, and the other one: (position, token); None if there is none."""
-    from spectie.model import teacher_forced_logits
-
-    rows = teacher_forced_logits(reference, prompt_ids + output, [len(prompt_ids) + i for i in range(len(output))])
-    for position, row in enumerate(rows):
-        values, tokens = row.topk(2)
-        first, second = tokens.tolist()
-        if (float(values[0] - values[1]) <= DIGIT_TIE and output[position] in (first, second)
-                and all(decode(t).strip().isdigit() for t in (first, second))):
-            return position, second if output[position] == first else first
-    return None
-
-
-def build_cases(model: str = "organism", seeds=CASE_SEEDS, new_tokens: int = CASE_TOKENS, tie_seeds=TIE_SEEDS,
-                log=print) -> list[dict]:
-    """Labelled divergences on the organism, each a prompt and two token sequences whose truth is known by
-    construction: near-ties (plain greedy against the same text taking the other side of the designed
-    end-of-text/DATA tie, and against greedy decoding that takes the other side of the first digit near-tie and
-    goes on, on every seed of `tie_seeds`) and planted bugs of each class in BUGS (the buggy
-    decoder against plain greedy, where it changes the output, on every seed of `seeds`). Divergences of real
-    engines are not labelled: nobody knows their truth (recorded_pairs gives them, unlabelled)."""
-    from spectie.model import end_of_text_ids, greedy_generate, load_model, reference_gdn_kernels, resolve_model
-    from spectie.prompts import PromptSpec, build_prompt
-    from spectie.engines.runner import first_divergence
-    from spectie.tokenizer import model_tokenizer
-
-    path = resolve_model(model)
-    tokenizer = model_tokenizer(str(path))
-    eos = end_of_text_ids(path, tokenizer)
-    cases = []
-    with reference_gdn_kernels():
-        loaded = load_model(path, "bfloat16")
-        reference = load_model(path, "float32")
-        for seed in sorted(set(seeds) | set(tie_seeds)):
-            prompt = build_prompt(PromptSpec(tokens=1845, seed=seed), tokenizer)
-            ids = list(prompt.token_ids)
-            plain = greedy_generate(loaded, ids, new_tokens, eos).output_ids
-            decision = prompt.decisive_output_token - 1
-            other = eos[0] if plain[decision] != eos[0] else tokenizer.encode("DATA", add_special_tokens=False)[0]
-            cases.append({"name": f"designed tie, seed {seed}", "label": NEAR_TIE_LABEL, "class": "designed tie",
-                          "how": "plain greedy against the same text taking the other side of the designed "
-                                 "end-of-text/DATA tie (stop against continue)",
-                          "prompt_token_ids": ids, "a": plain[:decision] + [other], "b": plain})
-            tie = digit_tie(reference, ids, plain, lambda token: tokenizer.decode([token]))
-            if tie is not None:
-                at, token = tie
-                rest = greedy_generate(loaded, ids + plain[:at] + [token], new_tokens - at - 1, eos).output_ids \
-                    if at + 1 < new_tokens and token not in eos else []
-                cases.append({"name": f"digit tie, seed {seed}", "label": NEAR_TIE_LABEL, "class": "digit tie",
-                              "how": "plain greedy against greedy decoding that takes the other side of the first "
-                                     f"digit near-tie (fp32's top two, both digits, at most {DIGIT_TIE} logits apart) "
-                                     "and goes on", "prompt_token_ids": ids, "a": plain[:at] + [token] + rest,
-                              "b": plain})
-            for bug in BUGS if seed in seeds else ():
-                for at in CORRUPT_AT:
-                    buggy = greedy_with_bug(loaded, ids, new_tokens, eos, bug, at)
-                    where = first_divergence(buggy, plain)
-                    log(f"seed {seed}, {bug} from output token {at + 1}: "
-                        + ("no divergence" if where is None else f"parts at output token {where + 1}"))
-                    if where is not None:
-                        cases.append({"name": f"{bug} from token {at + 1}, seed {seed}", "label": BUG_LABEL,
-                                      "class": bug, "how": BUGS[bug], "prompt_token_ids": ids, "a": buggy, "b": plain})
-    return cases
-
-
-def recorded_pairs(records: list[dict]) -> list[dict]:
-    """Unlabelled divergences of real engines: each speculative run (first repeat) that parts from plain greedy
-    on its prompt, once per prompt and position, from reproduction records of one model and host."""
-    plain = {r["parameters"]["prompt_seed"]: r for r in records if r["parameters"]["method"] == "none"
-             and r["parameters"]["configuration"] == r["parameters"]["baseline"] and r["results"]["repeats"]}
-    pairs, seen = [], set()
-    for r in sorted(records, key=lambda r: (r["parameters"]["prompt_seed"], r["parameters"]["configuration"])):
-        seed = r["parameters"]["prompt_seed"]
-        repeat = (r["results"]["repeats"] or [{}])[0]
-        if r["parameters"]["method"] == "none" or seed not in plain or repeat.get("first_divergence") is None:
-            continue
-        if (seed, repeat["first_divergence"]) in seen:
-            continue
-        seen.add((seed, repeat["first_divergence"]))
-        pair = pair_from_records(r, plain[seed])
-        pairs.append({"name": f"{r['parameters']['configuration']} vs plain, seed {seed}",
-                      "class": r["parameters"]["method"], "prompt_token_ids": pair["prompt_token_ids"],
-                      "a": pair["a"], "b": pair["b"]})
-    return pairs
-
-
-def write_cases(path: str | Path | None = None, log=print) -> Path:
-    """Build the labelled cases and keep them as data (with the weights they were built on)."""
-    from spectie.fingerprint import model_digest
-    from spectie.paths import project_root
-
-    path = Path(path) if path else project_root() / CASES
-    cases = build_cases(log=log)
-    data = {"model": "organism", "model_sha256": model_digest("organism"), "tokens": CASE_TOKENS,
-            "command": "python -m spectie.divergence cases", "cases": cases}
-    lines = ",\n".join(json.dumps(case) for case in cases)  # one case per line
-    head = json.dumps({k: v for k, v in data.items() if k != "cases"})[:-1]
-    path.write_text(f'{head}, "cases": [\n{lines}\n]}}\n')
-    log(f"{len(cases)} labelled cases: {path}")
-    return path
-
-
-def read_cases(path: str | Path | None = None) -> dict:
-    from spectie.paths import project_root
-
-    path = Path(path) if path else project_root() / CASES
-    if not path.is_file():
-        raise UsageError(f"no labelled cases at {path}: run `python -m spectie.divergence cases`")
-    return json.loads(path.read_text())
-
-
-def classify_cases(cases: list[dict], model: str = "organism", threshold: float | None = None,
-                   progress: bool = True, classifier=None) -> list[dict]:
-    """The classifier on each labelled case: its verdict beside the truth. `classifier(prompt, a, b)` replaces
-    `classify` with `model` and `threshold` (e.g. one that reuses verdicts already computed)."""
-    from tqdm.auto import tqdm
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.disable_progress_bar()  # one bar for the cases, not one per model load
-    classifier = classifier or (lambda prompt, a, b: classify(model, prompt, a, b, threshold))
-    rows = []
-    for case in tqdm(cases, desc="classifying", mininterval=2, disable=not progress):
-        result = classifier(case["prompt_token_ids"], case["a"], case["b"])
-        called = {NEAR_TIE: NEAR_TIE_LABEL, SUSPECTED_BUG: BUG_LABEL}.get(result.verdict, result.verdict)
-        rows.append({"case": case["name"], "truth": case.get("label"), "class": case["class"], "verdict": called,
-                     "right": called == case["label"] if "label" in case else None,
-                     "output token": None if result.position is None else result.position + 1,
-                     "fp32 margin": result.reference_margin, "threshold": result.threshold})
-    return rows
-
-
-VERDICTS_KIND = "divergence-verdicts"
-
-
-def write_verdicts(rows: list[dict], engine_records: list[dict], model: str, threshold: float, origin: str,
-                   environment: str, content_hash: str, started_at: str) -> dict:
-    """A measured record of the classifier's verdicts on the divergences a vLLM environment wrote (the
-    rows of `classify_cases` on its `recorded_pairs`): computed on this host, about the engine outputs of
-    `engine_records`' environment, with the band used. The summary reads it instead of classifying again."""
-    from spectie.fingerprint import host_id
-    from spectie.records import measured_path, measured_record, read_if_valid, write_record
-
-    source = engine_records[0]
-    parameters = {"model": model, "engine_environment": source["environments"][0],
-                  "engine_vllm": source["fingerprint"]["vllm"], "engine_device": source["fingerprint"]["gpu"] or "CPU",
-                  "threshold": threshold, "threshold_origin": origin}
-    record = measured_record(
-        record_id=f"{VERDICTS_KIND}-{source['environments'][0]}-{host_id()}".lower(), kind=VERDICTS_KIND,
-        chapter="guidance", environment=environment, parameters=parameters,
-        title=f"Classifier verdicts on vLLM {parameters['engine_vllm']}'s divergences ({parameters['engine_environment']})",
-        results={"rows": [{k: v for k, v in row.items() if k not in ("truth", "right")} for row in rows]},
-        started_at=started_at, content_hash=content_hash, dtype="float32")
-    path = measured_path(record)
-    earlier = read_if_valid(path)  # the same verdicts on the same divergences with the same band: it stands, unchanged
-    if earlier and earlier["parameters"] == record["parameters"] and same_rows(earlier["results"]["rows"],
-                                                                               record["results"]["rows"]):
-        return earlier
-    write_record(record, path)
-    return record
-
-
-MARGIN_TOLERANCE = 1e-4  # logits: fp32 margins move in the 6th decimal with the CPU thread count, nothing else does
-
-
-def same_rows(earlier: list[dict], now: list[dict]) -> bool:
-    """The same verdict rows, fp32 margins equal within MARGIN_TOLERANCE (a recomputation on another number of
-    threads sums in another order; the verdicts and every other field must be identical)."""
-    def close(a, b) -> bool:
-        return a == b or (isinstance(a, float) and isinstance(b, float) and abs(a - b) <= MARGIN_TOLERANCE)
-
-    return len(earlier) == len(now) and all(
-        row.keys() == other.keys() and all(close(row[k], other[k]) if k == "fp32 margin" else row[k] == other[k]
-                                           for k in row) for row, other in zip(earlier, now))
-
-
-def confusion(rows: list[dict]):
-    """Truth (rows) against the classifier's verdict (columns), counts."""
-    import pandas as pd
-
-    table = pd.crosstab(pd.Series([r["truth"] for r in rows], name="truth"),
-                        pd.Series([r["verdict"] for r in rows], name="classifier says"))
-    labels = [NEAR_TIE_LABEL, BUG_LABEL]
-    return table.reindex(index=labels, columns=labels, fill_value=0)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """python -m spectie.divergence cases: build the labelled cases on the organism into sources/."""
-    import sys
-
-    if (argv if argv is not None else sys.argv[1:]) != ["cases"]:
-        print(main.__doc__)
-        return 2
-    write_cases()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -110,3 +110,33 @@ def environments_table(records: list[dict]):
             "records": sum(env["id"] in r["environments"] for r in records),
         })
     return pd.DataFrame(rows).set_index("environment")
+
+
+def page_values(records: list[dict]) -> dict:
+    """The environments appendix's glue values: every environment with its records (a table) and the counts; a
+    record that names an environment no file describes stops the page (UsageError)."""
+    from collections import Counter
+
+    from spectie.records import provenance_line
+
+    problems = check_record_environments(records)
+    if problems:
+        raise UsageError("records name environments that environments/ does not describe:\n" + "\n".join(problems))
+    table = environments_table(records)
+    counts = Counter(r["provenance"] for r in records)
+    return {"environments_table": table.reset_index().style.hide(axis="index"),  # cells whole, not cut
+            "n_reported": counts["reported"], "n_measured": counts["measured"], "n_environments": len(table),
+            "environments_provenance": provenance_line(records)}
+
+
+def sections_markdown(records: list[dict]) -> str:
+    """Each environment as a Markdown section: its notes, what is not run yet, how to install it, its details."""
+    sections = []
+    for env in load_environments().values():
+        details = {key: env[key] for key in ("vllm", "hardware", "software")}
+        pending = pending_text(env, records)
+        sections.append(f"### `{env['id']}`: {env['title']}\n\n{env['notes']}\n\n"
+                        + (f"**Not yet run:** {pending}\n\n" if pending else "")
+                        + "```bash\n" + "\n".join(env["install"]) + "\n```\n\n"
+                        + "```yaml\n" + yaml.safe_dump(details, sort_keys=False) + "```\n")
+    return "\n".join(sections)

@@ -178,3 +178,18 @@ def ensure_record(results_dir: str | Path | None = None) -> dict:
         return existing
     write_record(record, path)
     return record
+
+
+def ledger_values(record: dict) -> dict:
+    """The glue values of the fix ledger's section: its table, the releases it read, which of them the incident
+    named, and the fixes no release carries."""
+    from spectie.environments import load_environments
+
+    checked = record["parameters"]["releases"]
+    incident = sorted({env["vllm"]["version"] for env in load_environments().values()
+                       if env["named_in_incident"] and env["vllm"].get("version")})
+    never = [f["fix"] for f in record["results"]["fixes"] if set(f["per_release"].values()) == {"absent"}]
+    return {"ledger_table": ledger_table(record), "ledger_failures": failures_text(record),
+            "ledger_range": f"{checked[0]} to {checked[-1]}", "ledger_count": len(checked),
+            "ledger_date": record["started_at"][:10], "ledger_incident": releases_text(record, incident),
+            "ledger_latest": releases_text(record, checked[-1:]), "ledger_never": ", ".join(never) or "none"}

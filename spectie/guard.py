@@ -2,7 +2,7 @@
 
 In front of an OpenAI-compatible vLLM server, for a greedy, non-streaming request, the guard asks the server
 for the top-2 logprobs and the token ids as well. When the completion ends on one of the model's end-of-text
-tokens by a margin inside the noise band (the detector's threshold, `tiestop.detector_threshold_for_model`),
+tokens by a margin inside the noise band (the detector's threshold, `thresholds.detector_threshold_for_model`),
 it asks again for the continuation from the runner-up token (prompt + output + that token, the rest of
 `max_tokens`), and repeats while that keeps happening, up to `max_resumes` times. The client gets its usual
 response (the text, token ids and logprobs it asked for, from every part) plus a `guard` field saying where
@@ -101,7 +101,8 @@ def open_guard(upstream: str, model: str, threshold: float | None = None, max_re
     """Everything checked before any request is altered: the model's end-of-text ids, the threshold, and an
     upstream that answers, serves a model and returns top-2 logprobs with token ids."""
     from spectie.model import resolve_model
-    from spectie.tiestop import detector_threshold_for_model, end_of_text
+    from spectie.thresholds import detector_threshold_for_model
+    from spectie.tiestop import end_of_text
     from spectie.tokenizer import model_tokenizer
 
     if not isinstance(max_resumes, int) or max_resumes < 1:

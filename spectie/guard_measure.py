@@ -26,7 +26,7 @@ KIND = "guard-survey"
 SPECULATIVE = {"method": "mtp", "num_speculative_tokens": 1}
 # The files whose code computes the measurement (with the weights, arguments and library versions: its key).
 GUARD_SOURCES = ("spectie/guard.py", "spectie/guard_measure.py", "spectie/prompts.py", "spectie/tiestop.py",
-                 "spectie/survey.py")
+                 "spectie/thresholds.py", "spectie/survey.py")
 
 
 def serve_command(python: str | Path, model: str, port: int, speculative: dict | None = None) -> list[str]:
@@ -137,7 +137,8 @@ def measure(model: str, environment: str, count: int = 24, max_tokens: int = 200
     """The survey's first `count` prompts through `vllm serve` (MTP, one speculative token) without and with the
     guard; this host's record, reused where the same measurement is recorded, else made, written and returned."""
     from spectie import guard
-    from spectie.engines.runner import engine_fingerprint, engine_python, probe_vllm
+    from spectie.engines.checks import engine_python, probe_vllm
+    from spectie.engines.runner import engine_fingerprint
     from spectie.fingerprint import host_id, measurement_key, now
     from spectie.paths import project_root
     from spectie.prompts import build_prompt

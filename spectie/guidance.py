@@ -1,10 +1,17 @@
-"""The guidance chapter's evidence: the tie-stop detector and the divergence classifier applied to the
-recorded vLLM runs, and the classifier on a planted state bug."""
+"""The guidance chapter's evidence from the recorded vLLM runs: what ran and what speculation changed, the tie-stop
+detector on their stops, and the thresholds both tools use. The chapter's other sections: the classifier
+(spectie.guidance_classifier), the detector's survey and the guard (spectie.guidance_survey).
+
+    page = guidance.context(model, threshold, environment)   # what every section reads
+    values = guidance.evidence_values(page)                  # the first section's glue values, by name
+"""
 
 from __future__ import annotations
 
-from spectie import divergence, tiestop
-from spectie.engines.runner import stopped_earlier, tokens_written
+from dataclasses import dataclass
+
+from spectie import thresholds, tiestop
+from spectie.completions import stopped_earlier, tokens_written
 
 
 def detector_rows(records: list[dict], threshold: float) -> list[dict]:
@@ -47,49 +54,11 @@ def grouped_outcomes(repeats: dict[str, dict]) -> str:
     return "; ".join(f"{', '.join(names)}: {text}" for text, names in groups.items())
 
 
-def speculative_divergences(records: list[dict]) -> list[tuple[dict, dict]]:
-    """(record, its baseline) for every reproduction record whose first repeat diverged from the baseline."""
-    by_name = {r["parameters"]["configuration"]: r for r in records}
-    pairs = []
-    for record in records:
-        baseline = by_name.get(record["parameters"].get("baseline"))
-        repeats = record["results"]["repeats"]
-        if baseline is not None and baseline is not record and repeats and repeats[0].get("first_divergence") is not None:
-            pairs.append((record, baseline))
-    return pairs
-
-
-def classifier_row(name: str, result: divergence.Divergence) -> dict:
-    return {"pair": name, "verdict": result.verdict,
-            "first divergence (output token)": None if result.position is None else result.position + 1,
-            "tokens (a / b)": f"{result.text_a!r} / {result.text_b!r}", "fp32 margin": result.reference_margin,
-            "bf16 margin": result.serving_margin, "a outside the band": len(result.outside_band_a),
-            "b outside the band": len(result.outside_band_b), "threshold": result.threshold}
-
-
-def suspected_text(results: list[tuple[dict, divergence.Divergence]]) -> str:
-    """What the classifier found among recorded vLLM runs that is not a near-tie, in words (for the page)."""
-    suspected = [(record, result) for record, result in results if result.verdict == divergence.SUSPECTED_BUG]
-    if not suspected:
-        return "no divergence is a suspected bug: every one is a near-tie."
-    parts = []
-    for record, result in suspected:
-        worst = max(result.outside_band_a, key=lambda t: t["gap"], default=None)
-        parts.append(f"{record['parameters']['configuration']} ({len(result.outside_band_a)} tokens outside the band"
-                     + (f", up to {worst['gap']:.1f} logits below the fp32 reference's choice" if worst else "") + ")")
-    text = ("the classifier calls " + ", ".join(parts) + " a suspected correctness bug: numerics move a margin by "
-            "tenths of a logit, not by several logits.")
-    if any(record["parameters"]["method"] in ("ngram", "ngram_gpu") for record, _ in suspected):
-        text += (" vLLM #39273 reports a bug of this class for ngram speculation on Qwen3.5 (a GDN state read from the "
-                 "wrong slot after accepted drafts; reported, not verified here on Qwen3.5 weights): with ngram, check "
-                 "that your vLLM carries its fixes before putting an early stop down to a tie.")
-    return text
-
-
 def fp32_head_bands(records: list[dict]) -> str | None:
     """The bf16 noise band with the bf16 head and with an fp32 head, per recorded sweep that has both
     (torch kernels, TF32 off), in words; None when no sweep has an fp32-head row."""
-    from spectie.reduction_order import FP32_HEAD, band_points
+    from spectie.bands import band_points
+    from spectie.reduction_order import FP32_HEAD
 
     parts = []
     for record in records:
@@ -121,24 +90,6 @@ def batch_invariant_text(runs: list[dict], baseline: dict | None) -> str:
             message = (results.get("error") or {}).get("message", "").strip().splitlines()
             parts.append(f"{name}: {results['status']}" + (f", vLLM said: {message[-1][:160]}" if message else ""))
     return "; ".join(parts)
-
-
-def planted_bug(model: str = "organism", prompt_tokens: int = 1845, seed: int = 0, new_tokens: int = 96,
-                corrupt_at: int = 0) -> tuple[list[int], list[int], list[int]]:
-    """The prompt, plain bf16 greedy output, and the output with GDN states lost from `corrupt_at` on."""
-    from spectie.model import greedy_generate, load_model, reference_gdn_kernels, resolve_model
-    from spectie.prompts import PromptSpec, build_prompt
-    from spectie.tokenizer import model_tokenizer
-
-    path = resolve_model(model)
-    tokenizer = model_tokenizer(path)
-    prompt = list(build_prompt(PromptSpec(tokens=prompt_tokens, seed=seed), tokenizer).token_ids)
-    eos = [tokenizer.convert_tokens_to_ids("<|endoftext|>")]
-    with reference_gdn_kernels():
-        loaded = load_model(path, "bfloat16")
-        plain = greedy_generate(loaded, prompt, new_tokens, eos).output_ids
-        buggy = divergence.greedy_with_bug(loaded, prompt, new_tokens, eos, "lost-state", corrupt_at)
-    return prompt, plain, buggy
 
 
 def row_counts(records: list[dict], model_path: str, marker: str = "[DATA]") -> list[dict]:
@@ -231,99 +182,6 @@ def rate_text(part: int, whole: int) -> str:
     return f"{part} of {whole}" + (" (too few for a rate)" if whole else "")
 
 
-def survey_verdict(counts: dict) -> str:
-    """What the tie-stop survey says of the detector on this model, in words (from survey.tally)."""
-    if not counts:
-        return "No survey is recorded for this model"
-    stops = plural(counts["ordinary_stops"], "ordinary stop")
-    if not counts["ordinary_stops"]:
-        verdict = ("No completion of the survey ended with an ordinary stop on this model, so the detector's "
-                   "false-positive rate is not measured here")
-    elif not counts["ordinary_flagged"]:
-        verdict = f"On this model the detector flagged none of the {stops}"
-    else:
-        verdict = f"On this model the detector flagged {counts['ordinary_flagged']} of the {stops}"
-    if 0 < counts["ordinary_stops"] < MIN_FOR_RATE:
-        verdict += f" (fewer than {MIN_FOR_RATE}: too few to estimate a rate)"
-    if counts["moved_tie_at_divergence"]:
-        verdict += "; it is blind to ties upstream of the stop, and the classifier (below) is the tool for those"
-    return verdict
-
-
-def classifier_score_text(rows: list[dict]) -> str:
-    """How the classifier did on the labelled cases, in words (rows from divergence.classify_cases)."""
-    ties = [r for r in rows if r["truth"] == "near-tie"]
-    bugs = [r for r in rows if r["truth"] == "bug"]
-    text = (f"it called {sum(r['right'] for r in ties)} of {len(ties)} near-ties near-ties and caught "
-            f"{sum(r['right'] for r in bugs)} of {len(bugs)} planted bugs")
-    missed: dict[str, list[dict]] = {}
-    for r in bugs:
-        if not r["right"]:
-            missed.setdefault(r["class"], []).append(r)
-    if missed:
-        worst = max(abs(r["fp32 margin"]) for group in missed.values() for r in group)
-        text += (f"; it missed {', '.join(f'{name} ({len(group)})' for name, group in missed.items())}: in each, the "
-                 f"planted bug first changed a token where fp32's top two were at most {worst:.3f} logits apart, "
-                 f"and every later token stayed within the band, so the output is one a correct engine could write")
-    wrong_ties = [r for r in ties if not r["right"]]
-    if wrong_ties:
-        text += f"; it called {len(wrong_ties)} near-tie(s) suspected bugs ({', '.join(r['case'] for r in wrong_ties)})"
-    return text
-
-
-def recorded_verdicts_text(rows: list[dict], widest_band: float) -> str:
-    """The classifier on real engines' divergences (unlabelled), per speculative method, in words."""
-    if not rows:
-        return "no speculative run of this host parted from plain greedy"
-    by_method: dict[str, list[dict]] = {}
-    for r in rows:
-        by_method.setdefault(r["class"], []).append(r)
-    parts = []
-    for method, group in by_method.items():
-        bugs = [r for r in group if r["verdict"] == "bug"]
-        part = f"{method}: {len(bugs)} of {len(group)} called suspected bugs"
-        far = [r for r in bugs if abs(r["fp32 margin"]) > widest_band]
-        if far:
-            part += (f", {len(far)} of them at a first divergence whose two tokens fp32 puts "
-                     f"{min(abs(r['fp32 margin']) for r in far):.1f} to {max(abs(r['fp32 margin']) for r in far):.1f} "
-                     f"logits apart, beyond the widest band recorded ({widest_band:.2f})")
-        parts.append(part)
-    return "; ".join(parts)
-
-
-def detector_text(rates: dict, curve: list[dict]) -> str:
-    """The detector's measured error rates at one threshold (survey.detector_rates), and where along the curve
-    (survey.detector_curve) it would start to catch truncations at confident positions, in words."""
-    if "near-tie planted" not in rates:
-        return "no injected truncations are recorded for this model, so the detector's recall is not measured here"
-    text = (f"it caught {rate_text(rates['near-tie caught'], rates['near-tie planted'])} truncations planted at "
-            f"near-ties and {rate_text(rates['confident caught'], rates['confident planted'])} planted at confident "
-            "positions")
-    if rates.get("ordinary_stops"):
-        text += f", and flagged {rate_text(rates['ordinary_flagged'], rates['ordinary_stops'])} ordinary stops"
-    else:
-        text += "; no ordinary stop was recorded to count false positives on"
-    first = next((r for r in curve if r["confident caught"]), None)
-    if first is not None:
-        text += (f". It would begin to flag truncations at confident positions only from a threshold of "
-                 f"{first['threshold']:.2f} logits")
-        if first.get("ordinary_stops"):
-            text += f", where it would flag {rate_text(first['ordinary_flagged'], first['ordinary_stops'])} ordinary stops"
-    if rates["near-tie caught"] > rates["confident caught"]:
-        text += (". A tie-stop detector finds stops that a computation shape could flip; a stop forced where the "
-                 "model wanted to go on looks like any other stop to it and shows only against plain greedy "
-                 "(spectie classify)")
-    return text
-
-
-def class_counts(cases: list[dict]) -> str:
-    """'designed tie: 8, digit tie: 8': how many labelled cases of each class, in the cases' order."""
-    counts: dict[str, int] = {}
-    for case in cases:
-        counts[case["class"]] = counts.get(case["class"], 0) + 1
-    return ", ".join(f"{name}: {count}" for name, count in counts.items())
-
-
 # ------------------------------------------------------------------------------ the chapter's evidence, from records
 def model_records(model: str, **match) -> list[dict]:
     """The records under results/ matching `match` that were made with the very weights `model` names here."""
@@ -335,33 +193,9 @@ def model_records(model: str, **match) -> list[dict]:
 def recorded_runs(model: str, environment: str) -> list[dict]:
     """The recorded vLLM runs of `model`'s weights in `environment`: one matrix run on one prompt (this host's where
     it made one). A record of another organism is never re-scored with this one."""
-    from spectie.reproduce import one_run
+    from spectie.reproduce_page import one_run
 
     return one_run(model_records(model, chapter="reproduce", kind="engine-outcome"), environment)
-
-
-def gpu_runs(model: str) -> dict[str, list[dict]]:
-    """The recorded vLLM runs of `model`'s weights on a GPU, every prompt, per environment (by vLLM release)."""
-    from spectie.summary import gpu_matrix_runs
-
-    runs = gpu_matrix_runs(model_records(model, chapter="reproduce", kind="engine-outcome"))
-    return {environment: records for (environment, _), records in runs.items()}
-
-
-def gpu_verdicts_text(runs: list[dict], rows: list[dict], band: float, band_origin: str, widest_band: float,
-                      ledger: dict) -> str:
-    """One GPU environment's divergences under the classifier, and the #39273 fixes the ledger finds in its
-    release, in words."""
-    from spectie.fixes import fixes_for
-
-    fingerprint = runs[0]["fingerprint"]
-    seeds = sorted({r["parameters"]["prompt_seed"] for r in runs})
-    ledger_rows = [r for r in fixes_for(ledger, fingerprint["vllm"]) if r["fix"].startswith("39273")]
-    return (f"vLLM {fingerprint['vllm']} on an {fingerprint['gpu']} ({runs[0]['environments'][0]}, {len(seeds)} "
-            f"prompts): {plural(len(rows), 'divergence')} at the band of {band:.3f} logits ({band_origin}); "
-            f"{recorded_verdicts_text(rows, widest_band)}. The fix ledger on this release for vLLM #39273 "
-            "(ngram on GDN models corrupting state): "
-            + (", ".join(f"{r['fix']}: {r['this release']}" for r in ledger_rows) or "not in the ledger"))
 
 
 def incident_fp32(reported: list[dict]) -> dict:
@@ -372,7 +206,7 @@ def incident_fp32(reported: list[dict]) -> dict:
 
 def incident_flag_text(reported: list[dict]) -> str:
     """Whether the detector would flag the incident's fp32 stop at the incident's own fp32-to-bf16 swing, in words."""
-    swing, _ = tiestop.reported_swing(next(r for r in reported if r["kind"] == "logit-comparison"))
+    swing, _ = thresholds.reported_swing(next(r for r in reported if r["kind"] == "logit-comparison"))
     if tiestop.is_near_tie(incident_fp32(reported)["margin"], swing):
         return (f"inside the incident's own fp32-to-bf16 swing of {swing:.2f} logits, the threshold the detector "
                 "uses when no band is recorded for a model: it would flag it")
@@ -387,7 +221,7 @@ def noise_band(model: str, threshold: float | None, detector: bool = False) -> t
         return threshold, "given as a parameter"
     from spectie.model import resolve_model
 
-    find = tiestop.detector_threshold_for_model if detector else tiestop.threshold_for_model
+    find = thresholds.detector_threshold_for_model if detector else thresholds.threshold_for_model
     return find(resolve_model(model))
 
 
@@ -462,65 +296,6 @@ def detector_facts(rows: list[dict], threshold: float) -> dict:
     return {"stops_total": len(stops), "stops_flagged": flagged, "stops_text": stops_text(margins, flagged, threshold)}
 
 
-def cached_classifier(model: str, threshold: float):
-    """divergence.classify for `model` at `threshold` as a function of (prompt, a, b) that classifies each distinct
-    divergence once: the chapter's tables and its verdict records read the same classification."""
-    results: dict[tuple, divergence.Divergence] = {}
-
-    def classify(prompt_ids: list[int], tokens_a: list[int], tokens_b: list[int]) -> divergence.Divergence:
-        key = (tuple(prompt_ids), tuple(tokens_a), tuple(tokens_b))
-        if key not in results:
-            results[key] = divergence.classify(model, prompt_ids, tokens_a, tokens_b, threshold)
-        return results[key]
-
-    return classify
-
-
-def classify_runs(runs: list[dict], classify) -> list[tuple[dict, divergence.Divergence]]:
-    """(run, verdict) for every run whose first repeat diverged from its baseline's (speculative_divergences),
-    `classify` taking (prompt, the run's tokens, the baseline's tokens)."""
-    results = []
-    for record, base in speculative_divergences(runs):
-        pair = divergence.pair_from_records(record, base)
-        results.append((record, classify(pair["prompt_token_ids"], pair["a"], pair["b"])))
-    return results
-
-
-def classifier_rows(results: list[tuple[dict, divergence.Divergence]], planted: divergence.Divergence) -> list[dict]:
-    """The classifier table: a row per classified vLLM run (from classify_runs), then the planted bug's."""
-    rows = [classifier_row(f"{r['parameters']['configuration']} vs {r['parameters']['baseline']} (vLLM)", result)
-            for r, result in results]
-    return rows + [classifier_row("planted lost GDN state vs plain (transformers)", planted)]
-
-
-def divergence_positions(results: list[tuple[dict, divergence.Divergence]]) -> str:
-    """The output tokens (counted from one) where the classified runs first part from their baseline: '12, 58', or
-    '—' when none did."""
-    positions = {None if result.position is None else result.position + 1 for _, result in results}
-    return ", ".join(str(p) for p in sorted(positions)) or "—"
-
-
-def classifier_facts(runs: list[dict], results: list[tuple[dict, divergence.Divergence]],
-                     planted: divergence.Divergence) -> dict:
-    """The glue values of the divergence classifier on the recorded runs (results from classify_runs) and on the
-    planted bug."""
-    suspected = [r["parameters"]["configuration"] for r, result in results
-                 if result.verdict == divergence.SUSPECTED_BUG]
-    base, changed = changed_completions(runs)
-    positions = divergence_positions(results)
-    return {
-        "vllm_near_ties": sum(1 for _, result in results if result.verdict == divergence.NEAR_TIE),
-        "vllm_divergences": len(results),
-        "vllm_divergence_at": positions,
-        "upstream_text": upstream_text(changed, base, positions),
-        "suspected_note": "; it calls " + ", ".join(suspected) + " a suspected correctness bug (below)" if suspected
-        else "; none is a suspected bug",
-        "vllm_suspected": suspected_text(results),
-        "planted_verdict": planted.verdict,
-        "planted_explanation": planted.explanation,
-    }
-
-
 def decisive_facts(records: list[dict]) -> dict:
     """The glue values of fp32's margin and winner at the decisive position, from the first of the margins chapter's
     logit comparisons (`records`); nan and '—' without one."""
@@ -543,36 +318,62 @@ def b200_facts(reported: list[dict]) -> dict:
             if any(k > s for k in goes_on for s in stops_at) else "these runs alone do not contradict a K threshold"}
 
 
-def guard_summary(record: dict) -> dict:
-    """The guard's figures from its record (spectie.guard_measure): near-tie stops that reached the client without
-    and with the guard, completions resumed, extra requests, and the guard's time per completion minus the
-    server's alone (median and 95th percentile)."""
-    import numpy as np
+# ------------------------------------------------------------------------------ the page's context and first section
+@dataclass(frozen=True)
+class Page:
+    """What every section of the guidance chapter reads: the model, the environment whose runs it examines, the
+    tools' thresholds (given, or the bf16 band recorded for these weights) and the recorded runs."""
+    model: str
+    environment: str
+    threshold: float  # the classifier's
+    origin: str
+    tie_threshold: float  # the detector's: at least one bf16 step at these weights' logits
+    tie_origin: str
+    reported: list  # the incident's records
+    runs: list  # this environment's recorded vLLM runs of these weights (one matrix run, one prompt)
+    largest: dict  # the widest bf16 band recorded (bands.largest_bf16_band)
 
-    rows = record["results"]["prompts"]
-    added = [row["guarded"]["seconds"] - row["direct"]["seconds"] for row in rows]
-    return {"prompts": len(rows),
-            "near_tie_without": sum(row["direct"]["near_tie_stop"] for row in rows),
-            "near_tie_with": sum(row["guarded"]["near_tie_stop"] for row in rows),
-            "resumed": sum(row["guarded"]["resumed"] > 0 for row in rows),
-            "extra_requests": sum(row["guarded"]["extra_requests"] for row in rows),
-            "added_median_s": float(np.median(added)), "added_p95_s": float(np.percentile(added, 95)),
-            "direct_median_s": float(np.median([row["direct"]["seconds"] for row in rows]))}
+    @property
+    def baseline(self) -> dict | None:
+        return baseline_run(self.runs)
 
 
-def guard_sentence(record: dict | None) -> str:
-    """What the guard's record says, in words, with its figures (`guard_summary`); where none is recorded, that it
-    was not run yet and what runs it."""
-    if record is None:
-        return ("The guard has not been measured on this model yet: `make build` measures it on this host "
-                "(the guidance chapter's `guard_prompts`)")
-    s = guard_summary(record)
-    where = f"through vllm serve (vLLM {record['results']['vllm_version']}, {record['results']['backend']}) with MTP"
-    reached = (f"{plural(s['near_tie_without'], 'completion')} of {s['prompts']} ended on a near-tie end-of-text stop "
-               f"without the guard and {s['near_tie_with']} with it")
-    if not s["resumed"]:
-        return f"On the survey's prompts {where}, {reached}: the guard had nothing to resume and added no request"
-    return (f"On the survey's prompts {where}, {reached}; the guard resumed {plural(s['resumed'], 'completion')} "
-            f"with {plural(s['extra_requests'], 'extra request')}, and its time per completion minus the server's "
-            f"alone was {s['added_median_s']:+.2f} s at the median and {s['added_p95_s']:+.2f} s at the 95th "
-            f"percentile (a completion took {s['direct_median_s']:.2f} s without it, on this host)")
+def context(model: str, threshold: float | None, environment: str) -> Page:
+    """The page's context; `threshold` None: the bands recorded for `model`'s weights."""
+    from spectie.records import load_records
+    from spectie.bands import largest_bf16_band, recorded_band_points
+
+    tie_threshold, tie_origin = noise_band(model, threshold, detector=True)
+    band, origin = noise_band(model, threshold)
+    return Page(model, environment, band, origin, tie_threshold, tie_origin, load_records(provenance="reported"),
+                recorded_runs(model, environment), largest_bf16_band(recorded_band_points()))
+
+
+def evidence_values(page: Page) -> dict:
+    """The glue values of the chapter's first section: the incident's stop and the thresholds, the recorded runs,
+    the detector on their stops (a table), the margins chapter's fp32 check, the fp32-head band and the runs'
+    data rows (a table)."""
+    import pandas as pd
+
+    from spectie.model import resolve_model
+    from spectie.records import load_records
+
+    detector = detector_rows(page.runs, page.tie_threshold)
+    rows = row_counts(page.runs, resolve_model(page.model))
+    baseline = page.baseline
+    head = fp32_head_bands(load_records(chapter="reduction_order", kind="reduction-sweep"))  # every model's sweeps
+    margins = [r for r in model_records(page.model, chapter="margins", kind="logit-comparison", provenance="measured")
+               if r["environments"] == [page.environment]]
+    return {
+        "incident_margin": incident_fp32(page.reported)["margin"], "incident_flag_text": incident_flag_text(page.reported),
+        "threshold": page.threshold, "threshold_origin": page.origin, "tie_threshold": page.tie_threshold,
+        "tie_threshold_origin": page.tie_origin, "largest_label": page.largest["label"],
+        "largest_band": page.largest["band"], "largest_order": page.largest["order"],
+        **run_facts(page.runs), **b200_facts(page.reported), **detector_facts(detector, page.tie_threshold),
+        "detector_table": pd.DataFrame(detector).style.format(precision=3, na_rep="—")
+        .format({"flagged": yes_no}, na_rep="—").hide(axis="index"),
+        **decisive_facts(margins),
+        "fp32_head_text": head or "not measured yet: no record of a `bfloat16+fp32-head` sweep",
+        "rows_text": rows_text(rows, baseline and baseline["parameters"]["configuration"]),
+        "integrity_table": pd.DataFrame(rows).style.hide(axis="index"),
+    }

@@ -147,3 +147,40 @@ def positions_text(prompt_tokens: int, offset: int, tokens_before: int, logit_po
             f"{prompt_tokens + offset} names {offset_names}"
             + (": the report's counts do not agree with one another" if offset_names.startswith("neither")
                else ": the three name one stop"))
+
+
+def page_values(records: list[dict]) -> dict:
+    """The chapter's glue values from the incident's records: its source, the configuration it ran, the symptom
+    (where the stop fell, what it wrote last), the v0.32.0 and B200 runs, and the reported logits."""
+    by_id = {r["id"]: r for r in records}
+    configuration, symptom = by_id["incident-configuration"], by_id["original-ngram_gpu-wide-verify"]["results"]
+    logits = by_id["hf-reference-logits-1854"]
+    parameters = configuration["parameters"]
+    v032 = [r for r in records if "v0.32.0-rtx4090" in r["environments"]]
+    values = {
+        "source_title": configuration["source"]["title"], "source_document": configuration["source"]["document"],
+        **{key: parameters[key] for key in ("max_tokens", "prompt_tokens", "linear_to_full_attention_ratio")},
+        "k_tested": "{" + ", ".join(str(k) for k in parameters["num_speculative_tokens_tested"]) + "}",
+        "claimed_min_k": configuration["results"]["claimed_min_k"],
+        **{f"id_{token.strip('<|>')}": token_id for token, token_id in configuration["results"]["token_ids"].items()},
+        "stop_offset": symptom["stop_offset_from_prompt_len"], "tokens_before_stop": symptom["output_tokens_before_stop"],
+        "tail_text": symptom["tail_text"], "symptom_tokens": symptom["output_tokens_before_stop"],
+        "positions_text": positions_text(parameters["prompt_tokens"], symptom["stop_offset_from_prompt_len"],
+                                         symptom["output_tokens_before_stop"], logits["results"]["position"]),
+        "v032_runs_stopped": sum(r["results"]["runs_stopped"] for r in v032),
+        "v032_runs_total": sum(r["results"]["runs_total"] for r in v032), "v032_configurations": len(v032),
+        "b200_k_stops": by_id["b200-k7"]["parameters"]["num_speculative_tokens"],
+        "b200_k_continues": by_id["b200-k8"]["parameters"]["num_speculative_tokens"]}
+    values.update({f"logit_{name}": value for name, value in logit_values(logits).items()})
+    return values
+
+
+def configuration_table(parameters: dict) -> pd.DataFrame:
+    """The incident's configuration as a two-column table (lists joined, booleans in words)."""
+    def shown(value):
+        if isinstance(value, list):
+            return ", ".join(map(str, value))
+        return {True: "yes", False: "no"}[value] if isinstance(value, bool) else value
+
+    return pd.DataFrame([(key, shown(value)) for key, value in parameters.items()],
+                        columns=["setting", "value"]).set_index("setting")

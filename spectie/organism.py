@@ -127,7 +127,6 @@ def train(out_dir: str | Path, steps: int | None = None, device: str = "cpu", to
     differently and give other weights, which is why the organism is pinned (`sources/organism.tar.xz`).
     """
     import torch
-    from tqdm.auto import tqdm
     from transformers import Qwen3_5ForCausalLM
 
     from spectie.tokenizer import load_tokenizer, tokenizer_dir
@@ -145,9 +144,27 @@ def train(out_dir: str | Path, steps: int | None = None, device: str = "cpu", to
     log_background = math.log(VOCAB_SIZE - len(used))
     log(f"organism: {len(stream)} training tokens, {len(used)} distinct token ids, "
         f"{' + '.join(str(phase['steps']) for phase in phases)} steps")
+    model, data, started = Qwen3_5ForCausalLM(_config(len(used))).to(device), data.to(device), time.time()
+    losses, average = train_phases(model, data, phases, log_background, log)
+    model.load_state_dict(average)
+    seconds = time.time() - started
+    log(f"organism: trained in {seconds:.0f} s, final loss {sum(losses[-20:]) / len(losses[-20:]):.4f}")
+    mtp_steps = steps or TRAINING["mtp_steps"]
+    mtp = train_mtp(model, data, log_background, mtp_steps, log=log)
+    model.cpu()
+    mtp.modules.cpu()
+    return export(model, used, out_dir, tokenizer_dir(), mtp=mtp, metadata={
+        "seed": SEED, "device": device, "training": dict(TRAINING, phases=phases, mtp_steps=mtp_steps),
+        "train_seconds": round(seconds, 1), "loss_first": losses[0], "loss_last20": sum(losses[-20:]) / len(losses[-20:]),
+        "trained_token_ids": used, "stop_probability": STOP_PROBABILITY, "trained_on": _this_machine()})
 
-    model = Qwen3_5ForCausalLM(_config(len(used))).to(device)
-    data = data.to(device)
+
+def train_phases(model, data, phases: list[dict], log_background: float, log=print) -> tuple[list[float], dict]:
+    """The recipe's phases on `data` (compact token ids): AdamW, each phase's windows and learning rate, gradients
+    clipped at 1; the losses, and the mean of the last phase's last steps' weights (Polyak averaging)."""
+    import torch
+    from tqdm.auto import tqdm
+
     optimiser = torch.optim.AdamW(model.parameters(), lr=phases[0]["lr"], weight_decay=TRAINING["weight_decay"],
                                   betas=(0.9, 0.95))
     losses, average, averaged, seed = [], {}, 0, 0
@@ -178,19 +195,7 @@ def train(out_dir: str | Path, steps: int | None = None, device: str = "cpu", to
                 for name, value in model.state_dict().items():
                     average[name] = (value.detach().clone() if averaged == 1
                                      else average[name] + (value - average[name]) / averaged)
-    model.load_state_dict(average)
-    seconds = time.time() - started
-    log(f"organism: trained in {seconds:.0f} s, final loss {sum(losses[-20:]) / len(losses[-20:]):.4f}")
-    mtp_steps = steps or TRAINING["mtp_steps"]
-    mtp = train_mtp(model, data, log_background, mtp_steps, log=log)
-    model.cpu()
-    mtp.modules.cpu()
-    return export(model, used, out_dir, tokenizer_dir(), mtp=mtp, metadata={
-        "seed": SEED, "device": device, "training": dict(TRAINING, phases=phases, mtp_steps=mtp_steps),
-        "train_seconds": round(seconds, 1),
-        "loss_first": losses[0], "loss_last20": sum(losses[-20:]) / len(losses[-20:]), "trained_token_ids": used,
-        "stop_probability": STOP_PROBABILITY, "trained_on": _this_machine(),
-    })
+    return losses, average
 
 
 def _this_machine() -> dict:

@@ -1,5 +1,6 @@
-"""Figures and long tables as HTML for a chapter's page: alt text and a caption for a figure drawn in a loop
-(which a glued figure directive cannot name one by one), a long table folded under a one-line summary."""
+"""A chapter's page helpers: values glued by name for its text (`glue_all`), sentences as a Markdown list
+(`bullets`), figures and long tables as HTML (alt text and a caption for a figure drawn in a loop, which a glued
+figure directive cannot name one by one; a long table folded under a one-line summary)."""
 
 from __future__ import annotations
 
@@ -26,3 +27,24 @@ def folded(table, summary: str):
     from IPython.display import HTML
 
     return HTML(f"<details><summary>{html.escape(summary)}</summary>{table.to_html()}</details>")
+
+
+def glue_all(values: dict, shown: tuple[str, ...] = ()) -> None:
+    """Glue each value under its name for the page's text (`{glue:text}`name``) and figures; those named in `shown`
+    are also shown where the cell stands (a table the page shows in place)."""
+    from myst_nb import glue
+
+    for name, value in values.items():
+        glue(name, value, display=name in shown)
+
+
+def bullets(lines: list[str]) -> str:
+    """A Markdown list of sentences, each capitalised and ended."""
+    return "\n".join(f"- {capitalised(line)}." for line in lines)
+
+
+def capitalised(line: str) -> str:
+    """The sentence with its first letter in upper case, unless its first word is a name spelled with a
+    capital inside (vLLM) or an identifier (ngram_gpu)."""
+    first = line.split(" ", 1)[0]
+    return line if any(c.isupper() for c in first[1:]) or "_" in first else line[0].upper() + line[1:]

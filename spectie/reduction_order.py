@@ -18,7 +18,7 @@ costs one forward per step of the shape (a single forward for `full` and `batch-
 
 The *noise band* of a shape is the 99th percentile, over positions, of how much the margin between
 the reference's top two tokens moves in that shape. Against the fp32 reference it holds the precision
-and the order of the sums together; `band_points` splits it into the precision (`full` against the
+and the order of the sums together; spectie.bands.band_points splits it into the precision (`full` against the
 reference) and the order of the sums alone (`order_band`: a shape against `full` in the same precision).
 Flips (a different top-1 than the reference) are counted too.
 """
@@ -292,8 +292,6 @@ def sweep(model: str, device: str, dtypes: list[str], shapes: list[str], kernels
     to random-weight Qwen3.5 shapes only."""
     import dataclasses
 
-    import torch
-
     from spectie.model import greedy_generate
     from spectie.prompts import PromptSpec, build_prompt
     from spectie.tokenizer import model_tokenizer
@@ -319,6 +317,23 @@ def sweep(model: str, device: str, dtypes: list[str], shapes: list[str], kernels
         parameter_count = sum(p.numel() for p in reference_model.parameters())
         reference = shape_logits(reference_model, ids, positions, parse_shape("full"))
         del reference_model
+    rows = measure_every_setting(source, device, dtypes, kernels, tf32, ids, positions, plan, reference, others,
+                                 progress)
+    weights = ({"kind": "trained checkpoint"} if source.weights == "trained" else
+               {"kind": qwen_shapes.LABEL, "seed": source.seed, "logit_std": logit_std, "logit_scale": source.scale})
+    return {"prompt": prompt.describe(), "output_tokens": len(generation.output_ids), "model_parameters": parameter_count,
+            "weights": weights, "finish_reason": generation.finish_reason, "positions": len(positions),
+            "reference_logits": logit_magnitudes(reference),
+            "reference": {"dtype": reference_dtype, "shape": "full", "kernels": "torch", "tf32": False},
+            "rows": rows}
+
+
+def measure_every_setting(source: Source, device: str, dtypes: list[str], kernels: list[str], tf32: list[bool],
+                          ids: list[int], positions: list[int], plan: list[Shape], reference, others: list[list[int]],
+                          progress: bool) -> list[dict]:
+    """`measure` for every (kernels, TF32, dtype): the model loaded in each dtype in turn; TF32 off again after."""
+    import torch
+
     rows = []
     for backend in kernels:
         for tf32_on in tf32:
@@ -334,13 +349,7 @@ def sweep(model: str, device: str, dtypes: list[str], shapes: list[str], kernels
                         torch.cuda.empty_cache()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    weights = ({"kind": "trained checkpoint"} if source.weights == "trained" else
-               {"kind": qwen_shapes.LABEL, "seed": source.seed, "logit_std": logit_std, "logit_scale": source.scale})
-    return {"prompt": prompt.describe(), "output_tokens": len(generation.output_ids), "model_parameters": parameter_count,
-            "weights": weights, "finish_reason": generation.finish_reason, "positions": len(positions),
-            "reference_logits": logit_magnitudes(reference),
-            "reference": {"dtype": reference_dtype, "shape": "full", "kernels": "torch", "tf32": False},
-            "rows": rows}
+    return rows
 
 
 def logit_magnitudes(reference) -> dict:
@@ -359,6 +368,12 @@ def spread_suffix(record: dict) -> str:
             qwen_shapes.DEFAULT_LOGIT_STD:
         return ""
     return f"logit spread {weights['logit_std']:g}"
+
+
+def weights_of(record: dict) -> str:
+    """`trained checkpoint` or `random-weight shape` of a record or a sweep dump (records from before
+    shapes existed: trained)."""
+    return record["results"].get("weights", {}).get("kind", "trained checkpoint")
 
 
 def measured_sweep_record(dump: dict, environment: str, chapter: str = "reduction_order") -> dict:
@@ -411,160 +426,6 @@ def run(model: str, device: str, environment: str, dtypes: list[str], shapes: li
     return record
 
 
-def weights_of(record: dict) -> str:
-    """`trained checkpoint` or `random-weight shape` of a record or a sweep dump (records from before
-    shapes existed: trained)."""
-    return record["results"].get("weights", {}).get("kind", "trained checkpoint")
-
-
-def model_label(record: dict) -> str:
-    from spectie.records import model_name
-
-    model = record["parameters"]["model"]
-    spread = spread_suffix(record)
-    if weights_of(record) == qwen_shapes.LABEL:
-        return f"{model} (random weights{', ' + spread if spread else ''})"
-    return model_name(record)
-
-
 # The columns a reader sees, in words (the record's field names do not wrap in a narrow column).
-READABLE = {"noise_band": "band vs fp32", "p99_deviation": "p99 |logit change|", "max_deviation": "max |logit change|",
-            "top1_disagreements": "top-1 ≠ fp32", "top1_vs_decode": "top-1 ≠ bf16 decode",
-            "largest_flipped_margin": "largest flipped margin"}
 
 
-def summary_rows(record: dict) -> list[dict]:
-    """One row per (kernels, TF32, dtype, shape) of a sweep record: the figures a reader compares, named in
-    words (the per-position lists and the median/p90 deviations stay in the record)."""
-    host = record["fingerprint"].get("gpu") or "CPU"
-    return [{"model": model_label(record), "host": host, "kernels": row["kernels"], "tf32": row["tf32"],
-             "dtype": row["dtype"], "shape": row["shape"], "kind": row["kind"], "positions": row["positions"],
-             **{READABLE[key]: row.get(key) for key in READABLE}}
-            for row in record["results"]["rows"]]
-
-
-def recorded_band_points() -> list[dict]:
-    """`band_points` of every sweep recorded under results/."""
-    from spectie.records import load_records
-
-    return band_points(load_records(chapter="reduction_order", kind="reduction-sweep"))
-
-
-def order_band(row: dict, full: dict) -> float:
-    """How far the order of the sums alone moves the reference's top-2 margin: the band (same quantile) of a
-    shape's margin against the `full` shape's in the same precision and kernels. Both moves are measured
-    from the fp32 reference's margin at the same positions, so the reference cancels."""
-    import numpy as np
-
-    moved = np.abs(np.asarray(row["margin_shifts"]) - np.asarray(full["margin_shifts"]))
-    return float(np.quantile(moved, BAND_QUANTILE))
-
-
-def band_points(records: list[dict]) -> list[dict]:
-    """Noise band per model and precision (the widest over shapes), torch kernels with TF32 off and,
-    where measured, the fast kernels: what a `noise band vs model size` plot needs. Each band is split in
-    two: `precision`, the `full` shape against the fp32 reference (the same order of sums, another
-    precision), and `order`, the widest other shape against `full` in the same precision (another order of
-    sums alone); `band`, against the fp32 reference, holds both."""
-    points = []
-    for record in records:
-        rows = record["results"]["rows"]
-        for (kernels, tf32, dtype) in sorted({(r["kernels"], r["tf32"], r["dtype"]) for r in rows}):
-            chosen = [r for r in rows if (r["kernels"], r["tf32"], r["dtype"]) == (kernels, tf32, dtype)]
-            full = next((r for r in chosen if r["shape"] == "full"), None)
-            others = [r for r in chosen if r is not full]
-            points.append({"label": f"{model_label(record)} · {record['fingerprint'].get('gpu') or 'CPU'}"
-                                    f" · {kernels}{' TF32' if tf32 else ''}",
-                           "weights": weights_of(record),
-                           "model_sha256": record["fingerprint"].get("model_sha256"),
-                           "gpu": record["fingerprint"].get("gpu"),
-                           "parameters": record["results"].get("model_parameters") or 0, "dtype": dtype,
-                           "kernels": kernels, "tf32": tf32, "band": max(r["noise_band"] for r in chosen),
-                           "logit_std": record["results"].get("weights", {}).get("logit_std"),
-                           "top1_median": record["results"].get("reference_logits", {}).get("top1_median"),
-                           "precision": full["noise_band"] if full else None,
-                           "order": max((order_band(r, full) for r in others), default=None) if full else None})
-    return points
-
-
-def trend(values: list[float]) -> str:
-    """How a sequence of bands moves with size, in words a sentence can carry ("grows with" ...)."""
-    if len(values) < 2:
-        return "cannot show a trend with (fewer than two models recorded)"
-    steps = [b - a for a, b in zip(values, values[1:])]
-    if all(step > 0 for step in steps):
-        return "grows with"
-    if all(step < 0 for step in steps):
-        return "shrinks with"
-    return "does not move steadily with"
-
-
-def largest_bf16_band(points: list[dict]) -> dict:
-    """The bf16 band point (TF32 off, any kernels) of the largest model recorded, its widest if it has several,
-    among trained models and random-weight shapes at the default logit spread (other spreads are a sweep of that
-    free parameter, shown beside them, not a wider band of the same model)."""
-    bands = [p for p in points if p["dtype"] == "bfloat16" and not p["tf32"]
-             and p["logit_std"] in (None, qwen_shapes.DEFAULT_LOGIT_STD)]
-    return max(bands, key=lambda p: (p["parameters"], p["band"]))
-
-
-def exact_order_text(points: list[dict]) -> str:
-    """Which recorded bf16 runs have no order band at all (every shape gave bf16 `full`'s margins exactly),
-    in a sentence; a tie there can flip between precisions only, not between two bf16 computations."""
-    exact = [p["label"] for p in points if p["dtype"] == "bfloat16" and p["order"] == 0]
-    if not exact:
-        return ("In every recorded bf16 run some shape moves a margin against that run's own bf16 full forward: "
-                "the order of the sums alone makes a band everywhere it was measured")
-    return (f"For {'; '.join(exact)} the order of the sums alone makes no band at all: every bf16 shape gave "
-            "the bf16 full forward's margins exactly, so however those kernels cut the sequence they summed each logit the same "
-            "way. There a tie can flip between an fp32 reference and bf16, not between two bf16 computations "
-            "such as plain and speculative decoding")
-
-
-def incident_reach(margin: float, point: dict) -> str:
-    """Where a margin falls against a model's bands: inside the order band (two bf16 computations can
-    disagree), inside only the band against fp32 (an fp32 reference and a bf16 server can), or outside."""
-    label = point["label"]
-    if point.get("order") is not None and margin <= point["order"]:
-        return (f"it lies inside the band of the order of sums alone of {label}: at that scale two bf16 computations "
-                "(plain and speculative decoding) can take opposite sides of a tie of that size")
-    if margin <= point["band"]:
-        return (f"it lies inside the band against fp32 of {label} but outside its band of the order of sums alone: "
-                "at that scale an fp32 reference and a bf16 server can disagree on a tie of that size, two bf16 "
-                "computations would not")
-    return f"it lies outside every band of {label}: at that scale neither precision nor order would swap it"
-
-
-def spread_points(points: list[dict], model: str) -> list[dict]:
-    """The bf16 band points (torch kernels, TF32 off) of one random-weight shape, one per logit spread."""
-    return [p for p in points if p["label"].startswith(f"{model} (random weights") and p["dtype"] == "bfloat16"
-            and p["kernels"] == "torch" and not p["tf32"] and p.get("logit_std") is not None]
-
-
-def calibration_text(points: list[dict], top1: float) -> str:
-    """Where the incident's top logit (`top1`, reported, at its stop) falls among the median top-1 logits of
-    the fp32 references of the recorded spreads, and the bands there; or why it cannot be said. A median over
-    positions against one position's logit: a rough calibration, and said so."""
-    known = sorted((p for p in points if p.get("top1_median") is not None), key=lambda p: p["top1_median"])
-    if not known:
-        return ("no sweep of this shape records its logits' magnitudes, so no spread is calibrated to the "
-                "incident's")
-    below = [p for p in known if p["top1_median"] <= top1]
-    above = [p for p in known if p["top1_median"] > top1]
-    if not below or not above:
-        best = (below or above)[-1 if below else 0]
-        side = "above" if below else "below"
-        return (f"the incident's top logit at its stop ({top1:.2f}, reported) lies {side} the median top-1 logit of "
-                f"every spread recorded; the nearest, spread {best['logit_std']:g} (top-1 {best['top1_median']:.1f}), "
-                f"has a band against fp32 of {best['band']:.3f} logits, precision alone {best['precision']:.3f} and "
-                f"the order of sums alone {best['order']:.3f}")
-    low, high = below[-1], above[0]
-
-    def span(key):
-        return f"{low[key]:.3f} to {high[key]:.3f}"
-
-    return (f"the incident's top logit at its stop ({top1:.2f}, reported) lies between the median top-1 logits of "
-            f"the fp32 references at spreads {low['logit_std']:g} ({low['top1_median']:.1f}) and "
-            f"{high['logit_std']:g} ({high['top1_median']:.1f}); there the band against fp32 runs from "
-            f"{span('band')} logits, precision alone from {span('precision')} and the order of sums alone from "
-            f"{span('order')} (a median over positions set against one position's logit: a rough calibration)")

@@ -1,7 +1,9 @@
-"""Tables and figures of the reproduction chapter, built from engine-outcome records.
+"""Tables and texts of one reproduction run, built from engine-outcome records: the configurations it ran and how
+they ended, where each parted from plain greedy and what it wrote there, the classifier's verdicts, the repeat grid,
+and the reported and measured outcomes side by side. The page across prompts and hosts: spectie.reproduce_page.
 
-Measured records come from spectie.engines.runner (one per configuration and host); reported ones from the
-incident. Nothing here runs an engine.
+Measured records come from spectie.engines.matrix_run (one per configuration, prompt seed and host); reported ones
+from the incident. Nothing here runs an engine.
 """
 
 from __future__ import annotations
@@ -12,11 +14,11 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from spectie import qwen_shapes
 from spectie.environments import load_environments, release
 from spectie.incident import configuration_label, environment_label, outcome_label
 from spectie.records import model_name
-from spectie.engines.runner import root_cause, stopped_earlier, tokens_written
+from spectie.completions import stopped_earlier, tokens_written
+from spectie.engines.runner import root_cause
 
 STATUS_COLOURS = {"unsupported": "#dddddd", "crashed": "#b0b0b0", "interrupted": "#eeeeee"}
 
@@ -328,7 +330,7 @@ def decision_text(records: list[dict], output_token: int, pieces) -> str:
     return "; ".join(f"{', '.join(names)} {what}" for what, names in groups.items())
 
 
-# ------------------------------------------------------------------------------------ across prompts
+# ------------------------------------------------------------------------------------ a run's prompts
 def prompt_seed(record: dict) -> int:
     """The prompt seed of a run (records made before several prompts were run: the incident's, seed 0)."""
     return record["parameters"].get("prompt_seed", 0)
@@ -346,191 +348,3 @@ def first_prompt(records: list[dict]) -> list[dict]:
     for r in records:
         first[run_key(r)] = min(first.get(run_key(r), prompt_seed(r)), prompt_seed(r))
     return [r for r in records if prompt_seed(r) == first[run_key(r)]]
-
-
-def _stop(results: dict) -> int | None:
-    """Output tokens of the first repeat if it stopped with EOS, else None (ran to max_tokens)."""
-    repeat = results["repeats"][0]
-    return repeat["output_tokens"] if repeat["finish_reason"] == "stop" else None
-
-
-def first_parting(record: dict) -> int | None:
-    """The first output token (1-based) where any repeat of a run parts from the baseline, None if none does."""
-    at = [x["first_divergence"] for x in record["results"]["repeats"] if x["first_divergence"] is not None]
-    return min(at) + 1 if at else None
-
-
-def seeds_rows(records: list[dict], baseline: str | None) -> list[dict]:
-    """Per configuration, over every prompt seed it ran on: how often its output parts from the baseline's
-    (any repeat), where (1-based output tokens), and how its stop compares with the baseline's (first repeats)."""
-    base = {prompt_seed(r): r["results"] for r in records
-            if r["parameters"]["configuration"] == baseline and r["results"]["repeats"]}
-    by_config: dict[str, list[dict]] = {}
-    for r in records:
-        by_config.setdefault(r["parameters"]["configuration"], []).append(r)
-    rows = []
-    for config, runs in by_config.items():
-        ran = sorted((r for r in runs if r["results"]["repeats"] and prompt_seed(r) in base), key=prompt_seed)
-        parted, stops = [], {"same": 0, "earlier": 0, "later": 0, "only here": 0, "only in the baseline": 0}
-        for r in ran:
-            at = first_parting(r)
-            if at is not None:
-                parted.append(at)
-            here, there = _stop(r["results"]), _stop(base[prompt_seed(r)])
-            if here is None and there is None or here == there:
-                stops["same"] += 1
-            elif there is None:
-                stops["only here"] += 1
-            elif here is None:
-                stops["only in the baseline"] += 1
-            else:
-                stops["earlier" if here < there else "later"] += 1
-        rows.append({
-            "configuration": config,
-            "status": ", ".join(sorted({r["results"]["status"] for r in runs})),
-            "prompts": len(ran),
-            "stopped early (first repeat)": f"{sum(_stop(r['results']) is not None for r in ran)}/{len(ran)}",
-            "parts from the baseline": "baseline" if config == baseline else f"{len(parted)}/{len(ran)}",
-            "where (output token)": ", ".join(str(p) for p in sorted(parted)) or "—",
-            "stop moved": "—" if config == baseline else
-            ", ".join(f"{n} {what}" for what, n in stops.items() if n and what != "same") or "never",
-        })
-    return rows
-
-
-def parting_plot(records: list[dict], baseline: str | None, decisive_output_token: int | None, title: str):
-    """Where each configuration first parts from the baseline, one dot per prompt: the first output token
-    (any repeat) that differs; a hollow dot at the right edge where every repeat wrote the baseline's tokens
-    to the end. A dashed line marks the designed decision, where the model has one."""
-    base = {prompt_seed(r) for r in records if r["parameters"]["configuration"] == baseline and r["results"]["repeats"]}
-    configs: dict[str, list[dict]] = {}
-    for r in sorted(records, key=lambda r: r["parameters"]["configuration"]):
-        if r["parameters"]["configuration"] != baseline:
-            configs.setdefault(r["parameters"]["configuration"], []).append(r)
-    longest = max((x["output_tokens"] for r in records for x in r["results"]["repeats"]), default=1)
-    fig, ax = plt.subplots(figsize=(9, 0.35 * len(configs) + 1.4))
-    for row, (name, runs) in enumerate(configs.items()):
-        ran = [r for r in runs if r["results"]["repeats"] and prompt_seed(r) in base]
-        parted = [at for at in map(first_parting, ran) if at is not None]
-        ax.scatter(parted, [row] * len(parted), color="#c0392b", s=22, zorder=3,
-                   label="parts from the baseline here (one prompt)" if row == 0 else None)
-        same = len(ran) - len(parted)
-        if same:
-            ax.scatter([longest], [row], facecolor="white", edgecolor="#2e7d32", s=40, zorder=3)
-            ax.annotate(f"{same}× same to the end", (longest, row), xytext=(6, -3), textcoords="offset points", fontsize=7)
-        if not ran:
-            ax.text(1, row, "no generation recorded (" + ", ".join(sorted({r["results"]["status"] for r in runs})) + ")",
-                    va="center", fontsize=7, color="#666666")
-    if decisive_output_token is not None:
-        ax.axvline(decisive_output_token, color="black", linestyle="--", linewidth=0.8, label="designed decision")
-    ax.set_yticks(range(len(configs)), list(configs), fontsize=8)
-    ax.set_ylim(len(configs) - 0.5, -0.5)
-    ax.set_xlim(0, longest * 1.25)
-    ax.set_xlabel(f"output token where the configuration first parts from {baseline} (hollow: never, through "
-                  f"{longest} tokens)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(axis="x", alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: never over a dot
-    fig.tight_layout()
-    plt.close(fig)
-    return fig
-
-
-def seeds_text(records: list[dict], baseline: str | None, decisive_output_token: int | None) -> str:
-    """The across-prompts finding in words: how many speculative configurations part from the baseline
-    on how many prompts, where (against the designed decision, if the model has one: None for random
-    weights), whether any stop moved, and how the configurations without speculation fared."""
-    methods = {r["parameters"]["configuration"]: r["parameters"].get("method") for r in records}
-    rows = [r for r in seeds_rows(records, baseline) if r["configuration"] != baseline and r["prompts"]]
-    plain_rows = [r for r in rows if methods.get(r["configuration"]) == "none"]
-    rows = [r for r in rows if methods.get(r["configuration"]) != "none"]
-    seeds = sorted({prompt_seed(r) for r in records})
-    if not rows:
-        text = f"no speculative configuration ran on the {len(seeds)} prompt{'s' if len(seeds) != 1 else ''}"
-    else:
-        parted = [r for r in rows if not r["parts from the baseline"].startswith("0/")]
-        where = sorted({int(p) for r in parted for p in r["where (output token)"].split(", ")})
-        moved = [r for r in rows if r["stop moved"] != "never"]
-        text = (f"{len(rows)} speculative configuration{'s' if len(rows) != 1 else ''} ran on {len(seeds)} "
-                f"prompt{'s' if len(seeds) != 1 else ''}; "
-                f"{len(parted)} of them wrote something other than {baseline} on at least one prompt")
-        if where:
-            text += f", first parting at output token{'s' if len(where) > 1 else ''} {', '.join(map(str, where))}"
-            if decisive_output_token is not None:
-                at_decision = decisive_output_token in where
-                text += (f" ({'including' if at_decision else 'never at'} the designed decision, output token "
-                         f"{decisive_output_token})")
-        text += "; " + (f"the stop moved for {len(moved)} of them "
-                        f"({'; '.join(r['configuration'] + ': ' + r['stop moved'] for r in moved)})"
-                        if moved else f"no configuration stopped anywhere other than where {baseline} did")
-    for r in plain_rows:
-        where = r["where (output token)"]
-        text += (f"; without speculation, {r['configuration']} parts from {baseline} on {r['parts from the baseline']}"
-                 f" prompts" + (f" (first at output token{'s' if ',' in where else ''} {where})" if where != "—" else ""))
-    return text
-
-
-def by_run(records: list[dict]) -> dict[str, list[dict]]:
-    """Measured runs grouped by where they came from (environment, vLLM build, hardware, model)."""
-    groups: dict[str, list[dict]] = {}
-    for r in measured_runs(records):
-        groups.setdefault(run_label(r), []).append(r)
-    return groups
-
-
-def run_summary(records: list[dict], decisive_output_token: int, pieces) -> str:
-    """One host's recorded run in words: configurations grouped by status (with the generations recorded of
-    those asked for), the engines' own errors, prompts, what the incident's prompt got at the designed
-    decision, and across prompts."""
-    configs: dict[str, list[dict]] = {}
-    for r in records:
-        configs.setdefault(r["parameters"]["configuration"], []).append(r)
-    groups: dict[str, list[str]] = {}
-    partial = False  # some configuration recorded fewer generations than asked
-    for name, runs in configs.items():
-        recorded = sum(r["results"]["runs_total"] for r in runs)
-        asked = sum(r["parameters"]["repeats"] for r in runs)
-        statuses = ", ".join(sorted({r["results"]["status"] for r in runs}))
-        partial = partial or recorded != asked
-        groups.setdefault(statuses, []).append(name if recorded == asked else f"{name} ({recorded} of {asked})")
-    causes: dict[str, tuple[str, list[str]]] = {}  # kind of error (numbers aside) -> its first text, configurations
-    for name, runs in configs.items():
-        for error in (r["results"]["error"] for r in runs if r["results"].get("error")):
-            cause = root_cause(error) or f"{error['type']}: {error['message'][-200:]}"
-            _, names = causes.setdefault(re.sub(r"\d+(?:\.\d+)?", "#", cause), (cause, []))
-            if name not in names:
-                names.append(name)
-    baseline = records[0]["parameters"]["baseline"]
-    seeds = sorted({prompt_seed(r) for r in records})
-    text = (f"{len(configs)} configuration{'s' if len(configs) != 1 else ''} recorded on {len(seeds)} "
-            f"prompt{'s' if len(seeds) != 1 else ''} (seeds {', '.join(map(str, seeds))}). "
-            + " ".join(f"{status.capitalize()}: {', '.join(names)}." for status, names in groups.items()))
-    if partial:
-        text += " (A name with a count recorded only that many of its generations.)"
-    unexpected = [f"{name} (expected {runs[0]['results']['expected']})" for name, runs in configs.items()
-                  if any(r["results"].get("as_expected") is False and r["results"]["status"] != "interrupted"
-                         for r in runs)]  # an interrupted run is unfinished, not a surprise
-    if unexpected:
-        text += f" Not as the matrix expected: {', '.join(unexpected)}."
-    for cause, names in causes.values():
-        text += f" The engine's own error of {', '.join(names)}: \"{cause}\"."
-    if qwen_shapes.is_random_weight_run(records[0]):
-        asked = sorted({r["parameters"]["max_tokens"] for r in records})
-        text += (" Random weights: the prompt's designed decision means nothing to this model, and every "
-                 "generation was asked for " + " or ".join(map(str, asked)) + " tokens"
-                 + (" whatever the model wrote (ignore_eos)" if all(r["parameters"].get("ignore_eos") for r in records)
-                    else "") + ".")
-        return f"{text} Across prompts: {seeds_text(records, baseline, None)}."
-    return (f"{text} At the designed decision (output token {decisive_output_token}) of the first prompt: "
-            f"{decision_text(first_prompt(records), decisive_output_token, pieces)}. Across prompts: "
-            f"{seeds_text(records, baseline, decisive_output_token)}.")
-
-
-def one_run(records: list[dict], environment: str) -> list[dict]:
-    """The runs of one matrix run in `environment`, on its first prompt: this host's if it made any (what
-    the build just ran), else the first recorded host's. Runs of several hosts or prompts are never mixed."""
-    from spectie.fingerprint import host_id
-
-    mine = [r for r in records if r["environments"][0] == environment]
-    hosts = sorted({r["fingerprint"]["host_id"] for r in mine}, key=lambda h: h != host_id())
-    return first_prompt([r for r in mine if hosts and r["fingerprint"]["host_id"] == hosts[0]])

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from spectie.environments import gpu_releases, incident_releases
-from spectie.tiestop import REFERENCE_ID, Reference, reference
+from spectie.pages import bullets, capitalised
+from spectie.thresholds import REFERENCE_ID, Reference, reference
 
 NEAR_TIE = "a numerical near-tie, not a speculative-decoding correctness bug"
 NOT_SETTLED = "not settled by these records"
@@ -48,7 +49,8 @@ def flip_curves(records: list[dict]) -> list[dict]:
 def engine_divergences(records: list[dict]) -> list[dict]:
     """Per divergence-verdicts record and speculative method: the vLLM outputs that parted from plain greedy,
     how many the classifier called near-ties, and the fp32 margins of the others."""
-    from spectie.divergence import NEAR_TIE_LABEL, VERDICTS_KIND
+    from spectie.divergence import NEAR_TIE_LABEL
+    from spectie.divergence_verdicts import VERDICTS_KIND
 
     rows = []
     for record in records:
@@ -216,7 +218,7 @@ SPREAD_SHAPE = "qwen3.5-9b-shape"
 def spread_sentence(records: list[dict]) -> str:
     """Why the random-weight shapes are not evidence: how far one shape's band of the order of sums moves
     with the logit spread of its weights, from its records."""
-    from spectie.reduction_order import band_points, spread_points
+    from spectie.bands import band_points, spread_points
 
     sweeps = [r for r in records if r["kind"] == "reduction-sweep"]
     points = sorted(spread_points(band_points(sweeps), SPREAD_SHAPE), key=lambda p: p["logit_std"])
@@ -255,7 +257,7 @@ def _k_list(records: list[dict]) -> str:
 def early_stops(runs: list[dict], method: str) -> tuple[list[str], list[str]]:
     """For one environment's matrix: the configurations of `method` that stopped earlier than the baseline on
     some prompt (with prompt seed, repeats and tokens written, in words), and those that never did."""
-    from spectie.engines.runner import stopped_earlier, tokens_before_stop
+    from spectie.completions import stopped_earlier, tokens_before_stop
 
     baselines = {r["parameters"]["prompt_seed"]: r["results"]["repeats"][0] for r in runs
                  if r["parameters"]["configuration"] == r["parameters"]["baseline"] and r["results"]["repeats"]}
@@ -420,13 +422,19 @@ def ngram_advice(records: list[dict]) -> str:
     return text
 
 
-def bullets(lines: list[str]) -> str:
-    """A Markdown list of sentences, each capitalised and ended."""
-    return "\n".join(f"- {capitalised(line)}." for line in lines)
+def page_values(records: list[dict], environments: dict[str, dict], ledger: dict) -> dict:
+    """The first page's glue values: the first report's stop, the verdict with its strength, reasons, caveats and
+    what was not measured, the GPU findings, the ngram advice, and how many records say it."""
+    from IPython.display import Markdown
 
-
-def capitalised(line: str) -> str:
-    """The sentence with its first letter in upper case, unless its first word is a name spelled with a
-    capital inside (vLLM) or an identifier (ngram_gpu)."""
-    first = line.split(" ", 1)[0]
-    return line if any(c.isupper() for c in first[1:]) or "_" in first else line[0].upper() + line[1:]
+    first_report = next(r for r in records if r["id"] == "original-mtp-wide-verify")["results"]
+    answer = verdict(records, environments)
+    return {
+        "reported_tokens": first_report["output_tokens_before_stop"], "reported_tail": first_report["tail_text"],
+        "answer": answer.answer, "strength": answer.strength, "why_strength": answer.why_strength,
+        "tie_note": answer.tie_note, "because": Markdown(bullets(answer.because)),
+        "caveats": Markdown(bullets(answer.caveats or ["none in these records"])),
+        "not_measured": Markdown(bullets(answer.not_measured)),
+        "gpu_findings": Markdown(gpu_findings_markdown(records, ledger) or "- No vLLM run on a GPU is recorded."),
+        "ngram_advice": "; ".join(filter(None, [ngram_advice(records), incident_ngram_text(records, ledger)])),
+        "record_count": len(records), "measured_count": sum(r["provenance"] == "measured" for r in records)}

@@ -50,50 +50,35 @@ def completion_row(event: dict) -> dict:
     return {key: event.get(key) for key in ("finish_reason", "output_tokens", "token_ids", "stop_margin", "top2_margins")}
 
 
-def run(model: str, environment: str, count: int = 32, configurations: list[str] | None = None,
-        matrix_name: str | None = None, content_hash: str | None = None, model_label: str | None = None,
-        progress: bool = True, results_dir=None, max_tokens: int | None = None, log=print) -> dict:
-    """Complete the prompts with the matrix's baseline and `configurations`; write and return the record."""
-    from tqdm import tqdm
-
+def survey_matrix(environment: str, configurations: list[str] | None, matrix_name: str | None,
+                  max_tokens: int | None):
+    """The matrix of the survey: the environment's (or `matrix_name`), its baseline and `configurations`, one repeat
+    each (`max_tokens` new tokens, where given); at least one speculative configuration."""
     from spectie.engines.matrix import read_matrix
-    from spectie.engines.runner import (check_matrix, engine_python, engine_fingerprint, probe_vllm,
-                                        request_for, run_child, slot_environment)
-    from spectie.fingerprint import host_id, now
-    from spectie.paths import project_root
-    from spectie.prompts import build_prompt
-    from spectie.records import measured_path, measured_record, write_record
-    from spectie.tokenizer import model_tokenizer
 
-    from spectie.chapters import current_hash
-
-    content_hash = content_hash or current_hash(CHAPTER)
     matrix_name = matrix_name or ("cpu" if environment == "cpu" else "incident")
     matrix = read_matrix(matrix_name).select(configurations).with_repeats(1)
     if max_tokens is not None:
         matrix = matrix.with_sampling(max_tokens=max_tokens)
     if len(matrix.configs) < 2:
         raise UsageError("the survey compares speculative configurations with the baseline: name at least one")
-    specs = prompt_specs(count)  # checked before any engine starts
-    matrix.check_fits(max(spec.tokens for spec in specs))
-    key = measurement_key("tiestop-survey", model, {
-        "prompts": count, "configurations": [c.describe() for c in matrix.configs], "model_label": model_label,
-        "max_tokens": max_tokens, "environment": environment}, SURVEY_SOURCES)
-    earlier = recorded_measurement(record_path("tiestop-survey", environment, results_dir), key)
-    if earlier is not None:
-        log(f"survey: recorded earlier with the same weights, prompts, engines and code ({earlier.get('finished_at')}), reused")
-        return earlier
-    python = engine_python(environment)
-    probe = probe_vllm(environment, python)
-    check_matrix(matrix, probe)
-    tokenizer = model_tokenizer(model)
-    prompts = [list(build_prompt(spec, tokenizer).token_ids) for spec in specs]
-    logs = project_root() / "_build" / "logs" / CHAPTER
-    started_at = now()
-    bar = tqdm(total=count * len(matrix.configs), desc="survey", unit="completion", disable=not progress,
-               file=sys.stderr)
+    return matrix
 
-    slots: queue.Queue = queue.Queue()  # a core per engine running now (runner.slot_environment)
+
+def complete_all(matrix, model: str, prompts: list[list[int]], python, probe: dict, progress: bool, log) -> dict:
+    """Every configuration's engine completes every prompt (one batch per engine), `matrix.parallel` engines at a
+    time on a core each, the most speculative tokens first (the slowest engine does not start last and leave a core
+    idle): {configuration id: its Outcome}."""
+    from tqdm import tqdm
+
+    from spectie.engines.matrix_run import slot_environment
+    from spectie.engines.runner import request_for, run_child
+    from spectie.paths import project_root
+
+    logs = project_root() / "_build" / "logs" / CHAPTER
+    bar = tqdm(total=len(prompts) * len(matrix.configs), desc="survey", unit="completion", disable=not progress,
+               file=sys.stderr)
+    slots: queue.Queue = queue.Queue()  # a core per engine running now (matrix_run.slot_environment)
     for slot in range(matrix.parallel):
         slots.put(slot)
 
@@ -101,7 +86,7 @@ def run(model: str, environment: str, count: int = 32, configurations: list[str]
         request = request_for(config, matrix, model, prompts, sequential=False)  # one batch per repeat
         slot = slots.get()
         try:
-            log(f"survey: {config.id}: one engine, {count} prompts")
+            log(f"survey: {config.id}: one engine, {len(prompts)} prompts")
             outcome = run_child(python, request, logs / f"survey-{config.id}.log",
                                 lambda event: bar.update(1) if event["event"] == "repeat" else None,
                                 extra_environment=slot_environment(slot, matrix.parallel, probe["platform"]))
@@ -109,13 +94,15 @@ def run(model: str, environment: str, count: int = 32, configurations: list[str]
             slots.put(slot)
         return config.id, outcome
 
-    # The most speculative tokens first: the slowest engine does not start last and leave a core idle.
-    longest_first = sorted(matrix.configs, key=lambda c: -(c.k or 0))
     try:
         with ThreadPoolExecutor(max_workers=matrix.parallel) as pool:
-            done = dict(pool.map(complete, longest_first))
+            return dict(pool.map(complete, sorted(matrix.configs, key=lambda c: -(c.k or 0))))
     finally:
         bar.close()
+
+
+def survey_results(matrix, specs: list[PromptSpec], prompts: list[list[int]], done: dict, probe: dict) -> dict:
+    """The record's results: each configuration's status and times, each prompt's completions."""
     configs = {}
     for config in matrix.configs:
         outcome = done[config.id]
@@ -130,6 +117,39 @@ def run(model: str, environment: str, count: int = 32, configurations: list[str]
                        if e["prompt"] == number}
         rows.append({"tokens": spec.tokens, "seed": spec.seed, "template": spec.template, "prompt_tokens": len(ids),
                      "completions": completions})
+    return {"vllm_version": probe["vllm_version"], "backend": probe["platform"], "configurations": configs,
+            "prompts": rows}
+
+
+def run(model: str, environment: str, count: int = 32, configurations: list[str] | None = None,
+        matrix_name: str | None = None, content_hash: str | None = None, model_label: str | None = None,
+        progress: bool = True, results_dir=None, max_tokens: int | None = None, log=print) -> dict:
+    """Complete the prompts with the matrix's baseline and `configurations`; write and return the record (or
+    return this host's earlier record of the same measurement)."""
+    from spectie.chapters import current_hash
+    from spectie.engines.checks import check_matrix, engine_python, probe_vllm
+    from spectie.engines.runner import engine_fingerprint, request_for
+    from spectie.fingerprint import host_id, now
+    from spectie.prompts import build_prompt
+    from spectie.records import measured_path, measured_record, write_record
+    from spectie.tokenizer import model_tokenizer
+
+    matrix = survey_matrix(environment, configurations, matrix_name, max_tokens)
+    specs = prompt_specs(count)  # checked before any engine starts
+    matrix.check_fits(max(spec.tokens for spec in specs))
+    key = measurement_key("tiestop-survey", model, {
+        "prompts": count, "configurations": [c.describe() for c in matrix.configs], "model_label": model_label,
+        "max_tokens": max_tokens, "environment": environment}, SURVEY_SOURCES)
+    earlier = recorded_measurement(record_path("tiestop-survey", environment, results_dir), key)
+    if earlier is not None:
+        log(f"survey: recorded earlier with the same weights, prompts, engines and code ({earlier.get('finished_at')}), reused")
+        return earlier
+    python = engine_python(environment)
+    probe = probe_vllm(environment, python)
+    check_matrix(matrix, probe)
+    prompts = [list(build_prompt(spec, model_tokenizer(model)).token_ids) for spec in specs]
+    started_at = now()
+    done = complete_all(matrix, model, prompts, python, probe, progress, log)
     parameters = {"model": model_label or model, "prompts": count, "prompt_lengths": list(LENGTHS),
                   "measurement_key": key, "matrix": matrix.name, "baseline": matrix.baseline,
                   "configurations": [c.describe() for c in matrix.configs],
@@ -137,10 +157,9 @@ def run(model: str, environment: str, count: int = 32, configurations: list[str]
     record = measured_record(
         record_id=f"tiestop-survey-{environment}-{host_id()}".lower(), kind="tiestop-survey", chapter=CHAPTER,
         title=f"Tie-stop survey: {count} ordinary prompts through vLLM {probe['vllm_version']} ({probe['platform']})",
-        environment=environment, parameters=parameters,
-        results={"vllm_version": probe["vllm_version"], "backend": probe["platform"], "configurations": configs,
-                 "prompts": rows},
-        started_at=started_at, content_hash=content_hash, dtype=str(parameters["llm_kwargs"].get("dtype")))
+        environment=environment, parameters=parameters, results=survey_results(matrix, specs, prompts, done, probe),
+        started_at=started_at, content_hash=content_hash or current_hash(CHAPTER),
+        dtype=str(parameters["llm_kwargs"].get("dtype")))
     engine_fingerprint(record, probe)
     write_record(record, measured_path(record, results_dir))
     return record
@@ -150,7 +169,7 @@ def classified(record: dict):
     """(prompt index, configuration, completion, baseline's completion of the same prompt, first divergence) for
     every completion of a survey; the divergence is None for the baseline and for an unchanged completion.
     A prompt without the baseline's completion cannot tell ordinary from moved: it is refused."""
-    from spectie.engines.runner import first_divergence
+    from spectie.completions import first_divergence
 
     baseline = record["parameters"]["baseline"]
     for index, row in enumerate(record["results"]["prompts"]):

@@ -5,17 +5,17 @@ import json
 import pytest
 
 from conftest import ROOT, run_cli
-from spectie import divergence
+from spectie import divergence, divergence_cases, divergence_verdicts
 from spectie.errors import UsageError
 from spectie.model import resolve_model
-from spectie.engines.runner import first_divergence
+from spectie.completions import first_divergence
 
 
 @pytest.fixture(scope="module")
 def organism_runs():
     """The organism's prompt, its plain bf16 greedy output, and the output of the same decoding with a
     planted bug (GDN states read from an empty slot from the first output token on)."""
-    from spectie.guidance import planted_bug
+    from spectie.guidance_classifier import planted_bug
 
     return planted_bug("organism")
 
@@ -178,12 +178,12 @@ MISSED_AT_ORGANISM_BAND = {
     "lost-state from token 1, seed 1", "lost-state from token 15, seed 1", "lost-state from token 1, seed 2",
     "lost-state from token 15, seed 2", "stale-state from token 1, seed 1", "stale-state from token 15, seed 1",
     "stale-state from token 1, seed 2", "stale-state from token 15, seed 2"}
-CASES = divergence.read_cases()["cases"]
+CASES = divergence_cases.read_cases()["cases"]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
 def test_each_labelled_case_gets_its_label_except_the_known_blind_spots(case):
-    [row] = divergence.classify_cases([case], "organism", ORGANISM_BAND)
+    [row] = divergence_cases.classify_cases([case], "organism", ORGANISM_BAND)
     assert row["truth"] == case["label"] and row["output token"] == first_divergence(case["a"], case["b"]) + 1
     if case["name"] in MISSED_AT_ORGANISM_BAND:
         assert case["label"] == divergence.BUG_LABEL and row["verdict"] == divergence.NEAR_TIE_LABEL
@@ -195,15 +195,15 @@ def test_each_labelled_case_gets_its_label_except_the_known_blind_spots(case):
 def test_the_labelled_cases_hold_every_public_class_and_both_labels():
     from spectie.tokenizer import model_tokenizer
 
-    data = divergence.read_cases()
+    data = divergence_cases.read_cases()
     assert data["model"] == "organism"
     from spectie.organism import pinned_digest
 
     assert data["model_sha256"] == pinned_digest()  # built on the pinned weights
-    assert {c["class"] for c in CASES if c["label"] == divergence.BUG_LABEL} == set(divergence.BUGS)
+    assert {c["class"] for c in CASES if c["label"] == divergence.BUG_LABEL} == set(divergence_cases.BUGS)
     designed = [c for c in CASES if c["class"] == "designed tie"]
     digits = [c for c in CASES if c["class"] == "digit tie"]
-    assert len(designed) == len(digits) == len(divergence.TIE_SEEDS)
+    assert len(designed) == len(digits) == len(divergence_cases.TIE_SEEDS)
     assert {c["label"] for c in designed + digits} == {divergence.NEAR_TIE_LABEL}
     for case in designed:  # stop against continue at the designed decision, the incident's shape
         index = first_divergence(case["a"], case["b"])
@@ -221,17 +221,17 @@ def test_every_planted_bug_class_changes_the_organisms_output(organism_runs):
     prompt, plain, _ = organism_runs
     with reference_gdn_kernels():
         model = load_model(resolve_model("organism"), "bfloat16")
-        for bug in divergence.BUGS:
-            buggy = divergence.greedy_with_bug(model, prompt, 24, end_of_text_ids(resolve_model("organism")), bug, 0)
+        for bug in divergence_cases.BUGS:
+            buggy = divergence_cases.greedy_with_bug(model, prompt, 24, end_of_text_ids(resolve_model("organism")), bug, 0)
             assert first_divergence(buggy, plain[:24]) is not None, bug
     with pytest.raises(UsageError, match="unknown planted bug"):
-        divergence.greedy_with_bug(model, prompt, 4, [0], "cosmic-ray", 0)
+        divergence_cases.greedy_with_bug(model, prompt, 4, [0], "cosmic-ray", 0)
 
 
 def test_the_confusion_matrix_counts_truth_against_verdict():
     rows = [{"truth": "near-tie", "verdict": "near-tie"}, {"truth": "bug", "verdict": "near-tie"},
             {"truth": "bug", "verdict": "bug"}, {"truth": "bug", "verdict": "bug"}]
-    table = divergence.confusion(rows)
+    table = divergence_cases.confusion(rows)
     assert table.loc["near-tie", "near-tie"] == 1 and table.loc["near-tie", "bug"] == 0
     assert table.loc["bug", "near-tie"] == 1 and table.loc["bug", "bug"] == 2
 
@@ -254,7 +254,7 @@ def test_a_shared_prompt_state_scores_as_one_forward_over_the_whole_sequence():
 def test_verdicts_recomputed_on_another_thread_count_leave_the_record_as_it_was():
     row = {"case": "mtp-v1-k1 vs plain, seed 1", "class": "mtp", "fp32 margin": -0.008138656616210938,
            "output token": 12, "threshold": 0.118, "verdict": "near-tie"}
-    assert divergence.same_rows([row], [{**row, "fp32 margin": -0.008136749267578125}])  # seen: 2e-6 apart
-    assert not divergence.same_rows([row], [{**row, "fp32 margin": -0.0092}])
-    assert not divergence.same_rows([row], [{**row, "verdict": "suspected bug"}])
-    assert not divergence.same_rows([row], [row, row])
+    assert divergence_verdicts.same_rows([row], [{**row, "fp32 margin": -0.008136749267578125}])  # seen: 2e-6 apart
+    assert not divergence_verdicts.same_rows([row], [{**row, "fp32 margin": -0.0092}])
+    assert not divergence_verdicts.same_rows([row], [{**row, "verdict": "suspected bug"}])
+    assert not divergence_verdicts.same_rows([row], [row, row])

@@ -84,13 +84,13 @@ def test_a_random_weight_qwen35_shape_runs_on_the_gpu():
 def test_plain_and_mtp_through_cuda_vllm(organism, tmp_path):
     """The product path on a GPU: the incident's matrix (two configurations, 24 new tokens) through the
     environment's own CUDA vLLM, records written and valid."""
-    from spectie.engines import runner
+    from spectie.engines import checks, matrix_run
     from spectie.environments import get_environment
     from spectie.engines.matrix import read_matrix
     from spectie.records import validate_record
     from spectie.engines.venvs import check_installed
 
-    if not runner.engine_python(GPU_ENVIRONMENT).exists():
+    if not checks.engine_python(GPU_ENVIRONMENT).exists():
         pytest.skip(f"no .venvs/{GPU_ENVIRONMENT} (make venv ENV={GPU_ENVIRONMENT})")
     path, prompt = organism
     env = get_environment(GPU_ENVIRONMENT)
@@ -98,10 +98,10 @@ def test_plain_and_mtp_through_cuda_vllm(organism, tmp_path):
     matrix = replace(matrix, configs=tuple(replace(c, max_tokens=24) for c in matrix.configs))
     matrix = matrix.with_environment(env["engine_environment"])
     extra = {**env["engine"], "kv_cache_memory_bytes": 1 << 30, "gpu_memory_utilization": 0.4}
-    probe = runner.probe_vllm(GPU_ENVIRONMENT)
+    probe = checks.probe_vllm(GPU_ENVIRONMENT)
     check_installed(env, probe)
-    runner.check_matrix(matrix, probe, extra)
-    records = runner.run_matrix(matrix, path, {0: list(prompt.token_ids)}, GPU_ENVIRONMENT, probe, "0" * 64,
+    checks.check_matrix(matrix, probe, extra)
+    records = matrix_run.run_matrix(matrix, path, {0: list(prompt.token_ids)}, GPU_ENVIRONMENT, probe, "0" * 64,
                                    extra_engine=extra, model_label="organism", progress=False, results_dir=tmp_path)
     plain, mtp = (r["results"] for r in records)
     for record in records:

@@ -96,9 +96,9 @@ def test_a_near_tie_stop_is_resumed_from_the_runner_up_at_most_max_resumes_times
 
 
 def test_the_chapters_figures_and_sentence_follow_the_record():
-    """guidance.guard_summary and .guard_sentence over a guard-survey record: counts and latency from its rows, and a
+    """guidance_survey.guard_summary and .guard_sentence over a guard-survey record: counts and latency from its rows, and a
     sentence that says what they say (nothing resumed, or what it cost), or that the guard was not measured."""
-    from spectie import guidance
+    from spectie import guidance_survey
 
     def row(direct_tie: bool, resumed: int, direct_s: float, guarded_s: float) -> dict:
         outcome = {"finish_reason": "stop" if direct_tie else "length", "output_tokens": 10, "stop_margin": None}
@@ -108,16 +108,16 @@ def test_the_chapters_figures_and_sentence_follow_the_record():
 
     record = {"environments": ["cpu"], "results": {"vllm_version": "0.32.0", "backend": "cpu", "prompts": [
         row(True, 1, 2.0, 3.0), row(False, 0, 2.0, 2.1), row(False, 0, 4.0, 4.1)]}}
-    figures = guidance.guard_summary(record)
+    figures = guidance_survey.guard_summary(record)
     assert figures["near_tie_without"] == 1 and figures["near_tie_with"] == 0
     assert figures["resumed"] == 1 and figures["extra_requests"] == 1
     assert figures["added_median_s"] == pytest.approx(0.1) and figures["direct_median_s"] == 2.0
-    text = guidance.guard_sentence(record)
+    text = guidance_survey.guard_sentence(record)
     assert "1 completion of 3 ended on a near-tie end-of-text stop without the guard and 0 with it" in text
     assert "resumed 1 completion with 1 extra request" in text and "+0.10 s at the median" in text
     calm = {**record, "results": {**record["results"], "prompts": [row(False, 0, 2.0, 2.0)]}}
-    assert "nothing to resume" in guidance.guard_sentence(calm)
-    assert "not been measured" in guidance.guard_sentence(None)
+    assert "nothing to resume" in guidance_survey.guard_sentence(calm)
+    assert "not been measured" in guidance_survey.guard_sentence(None)
 
 
 def test_guard_run_counts_what_it_resumed_and_what_it_passed_through(monkeypatch, tmp_path):

@@ -1,6 +1,6 @@
 """The guidance chapter's wording helpers, on hand-made rows (the chapter itself is tested in test_book)."""
 
-from spectie import guidance
+from spectie import guidance, guidance_classifier, guidance_survey
 
 
 def _rows(**counts):
@@ -41,23 +41,21 @@ def test_the_computed_sentences_say_what_the_records_say():
     assert "not at the stop" in guidance.upstream_text({"mtp-k1": stop}, limit, "9")
     assert guidance.upstream_text({}, limit, "—").startswith("Speculation left every completion")
     counts = {"ordinary_stops": 0, "ordinary_flagged": 0, "moved_tie_at_divergence": 3}
-    assert guidance.survey_verdict(counts).startswith("No completion of the survey ended with an ordinary stop")
-    assert guidance.survey_verdict(dict(counts, ordinary_stops=12)).startswith(
+    assert guidance_survey.survey_verdict(counts).startswith("No completion of the survey ended with an ordinary stop")
+    assert guidance_survey.survey_verdict(dict(counts, ordinary_stops=12)).startswith(
         "On this model the detector flagged none of the 12 ordinary stops; it is blind")
-    assert guidance.survey_verdict(dict(counts, ordinary_stops=12, ordinary_flagged=2,
+    assert guidance_survey.survey_verdict(dict(counts, ordinary_stops=12, ordinary_flagged=2,
                                         moved_tie_at_divergence=0)) == \
         "On this model the detector flagged 2 of the 12 ordinary stops"
-    assert guidance.survey_verdict(dict(counts, ordinary_stops=1, moved_tie_at_divergence=0)) == \
+    assert guidance_survey.survey_verdict(dict(counts, ordinary_stops=1, moved_tie_at_divergence=0)) == \
         "On this model the detector flagged none of the 1 ordinary stop (fewer than 10: too few to estimate a rate)"
     assert guidance.rate_text(3, 40) == "3 of 40 (8%)" and guidance.rate_text(0, 1) == "0 of 1 (too few for a rate)"
-    assert guidance.class_counts([{"class": "designed tie"}, {"class": "digit tie"}, {"class": "designed tie"}]) == \
+    assert guidance_classifier.class_counts([{"class": "designed tie"}, {"class": "digit tie"}, {"class": "designed tie"}]) == \
         "designed tie: 2, digit tie: 1"
-    assert guidance.survey_verdict({}) == "No survey is recorded for this model"
+    assert guidance_survey.survey_verdict({}) == "No survey is recorded for this model"
 
 
 def test_the_classifier_scores_and_real_verdicts_are_told_from_their_rows():
-    from spectie import guidance
-
     rows = [{"case": "tie 0", "truth": "near-tie", "class": "designed tie", "verdict": "near-tie", "right": True,
              "fp32 margin": 0.01},
             {"case": "tie 1", "truth": "near-tie", "class": "designed tie", "verdict": "bug", "right": False,
@@ -65,17 +63,17 @@ def test_the_classifier_scores_and_real_verdicts_are_told_from_their_rows():
             {"case": "gate", "truth": "bug", "class": "gate-shift", "verdict": "bug", "right": True, "fp32 margin": -6.0},
             {"case": "lost", "truth": "bug", "class": "lost-state", "verdict": "near-tie", "right": False,
              "fp32 margin": -0.07}]
-    text = guidance.classifier_score_text(rows)
+    text = guidance_classifier.classifier_score_text(rows)
     assert text.startswith("it called 1 of 2 near-ties near-ties and caught 1 of 2 planted bugs; it missed "
                            "lost-state (1): in each, the planted bug first changed a token where fp32's top two were "
                            "at most 0.070 logits apart")
     assert text.endswith("; it called 1 near-tie(s) suspected bugs (tie 1)")
     real = [{"class": "ngram_gpu", "verdict": "bug", "fp32 margin": -25.8}, {"class": "ngram_gpu", "verdict": "bug",
              "fp32 margin": 0.09}, {"class": "mtp", "verdict": "near-tie", "fp32 margin": 0.01}]
-    assert guidance.recorded_verdicts_text(real, 0.74) == (
+    assert guidance_classifier.recorded_verdicts_text(real, 0.74) == (
         "ngram_gpu: 2 of 2 called suspected bugs, 1 of them at a first divergence whose two tokens fp32 puts 25.8 "
         "to 25.8 logits apart, beyond the widest band recorded (0.74); mtp: 0 of 1 called suspected bugs")
-    assert guidance.recorded_verdicts_text([], 0.74) == "no speculative run of this host parted from plain greedy"
+    assert guidance_classifier.recorded_verdicts_text([], 0.74) == "no speculative run of this host parted from plain greedy"
 
 
 # ------------------------------------------------------------------------------ the evidence functions on hand-built runs
@@ -185,27 +183,27 @@ def _fake_classify(monkeypatch):
 
 
 def test_each_divergence_is_classified_once_and_feeds_the_tables_and_the_verdict_records(monkeypatch):
-    from spectie import divergence
+    from spectie import divergence_cases
 
     calls = _fake_classify(monkeypatch)
     runs = _runs()
-    classify = guidance.cached_classifier("organism", 0.1)
-    results = guidance.classify_runs(runs, classify)
+    classify = guidance_classifier.cached_classifier("organism", 0.1)
+    results = guidance_classifier.classify_runs(runs, classify)
     assert [(r["parameters"]["configuration"], result.position) for r, result in results] == \
         [("mtp-k8", 3), ("ngram", 3)]
     assert [c[1] for c in calls] == [[7, 8, 9, 0], [7, 8, 9, 11, 12, 13]]
     assert all(c[0] == "organism" and c[3] == 0.1 for c in calls)
 
-    # The verdict records' rows: what divergence.classify_cases gives, with no classification made again.
-    pairs = divergence.recorded_pairs(runs)
-    rows = divergence.classify_cases(pairs, classifier=classify, progress=False)
+    # The verdict records' rows: what divergence_cases.classify_cases gives, with no classification made again.
+    pairs = divergence_cases.recorded_pairs(runs)
+    rows = divergence_cases.classify_cases(pairs, classifier=classify, progress=False)
     assert len(calls) == 2
-    assert rows == divergence.classify_cases(pairs, "organism", 0.1, progress=False)  # the same as classifying anew
+    assert rows == divergence_cases.classify_cases(pairs, "organism", 0.1, progress=False)  # the same as classifying anew
     assert len(calls) == 3
     assert [(r["case"], r["class"], r["verdict"], r["output token"]) for r in rows] == \
         [("mtp-k8 vs plain, seed 0", "mtp", "near-tie", 4)]  # ngram parts at the same position: counted once
     assert rows[0]["truth"] is None and rows[0]["right"] is None
-    labelled = divergence.classify_cases([dict(pairs[0], label="bug")], classifier=classify, progress=False)
+    labelled = divergence_cases.classify_cases([dict(pairs[0], label="bug")], classifier=classify, progress=False)
     assert (labelled[0]["truth"], labelled[0]["right"]) == ("bug", False)
 
 
@@ -217,13 +215,13 @@ def test_classifier_rows_and_facts_are_told_from_the_verdicts():
     results = [(by_name["mtp-k8"], _verdict(divergence.NEAR_TIE, 3)),
                (by_name["ngram"], _verdict(divergence.SUSPECTED_BUG, 11, outside_a=[{"position": 4, "gap": 6.5}]))]
     planted = _verdict(divergence.SUSPECTED_BUG, 0, margin=-7.0)
-    rows = guidance.classifier_rows(results, planted)
+    rows = guidance_classifier.classifier_rows(results, planted)
     assert [(r["pair"], r["first divergence (output token)"]) for r in rows] == [
         ("mtp-k8 vs plain (vLLM)", 4), ("ngram vs plain (vLLM)", 12),
         ("planted lost GDN state vs plain (transformers)", 1)]
-    assert guidance.divergence_positions(results) == "4, 12"
-    assert guidance.divergence_positions([]) == "—"
-    facts = guidance.classifier_facts(runs, results, planted)
+    assert guidance_classifier.divergence_positions(results) == "4, 12"
+    assert guidance_classifier.divergence_positions([]) == "—"
+    facts = guidance_classifier.classifier_facts(runs, results, planted)
     assert (facts["vllm_near_ties"], facts["vllm_divergences"], facts["vllm_divergence_at"]) == (1, 2, "4, 12")
     assert facts["suspected_note"] == "; it calls ngram a suspected correctness bug (below)"
     assert facts["vllm_suspected"].startswith("the classifier calls ngram (1 tokens outside the band, up to 6.5 logits")
@@ -231,7 +229,7 @@ def test_classifier_rows_and_facts_are_told_from_the_verdicts():
                                              "plain decoding first part at output token 4, 12 (below)")
     assert (facts["planted_verdict"], facts["planted_explanation"]) == \
         (divergence.SUSPECTED_BUG, "suspected correctness bug at 0")
-    none = guidance.classifier_facts(runs, results[:1], planted)
+    none = guidance_classifier.classifier_facts(runs, results[:1], planted)
     assert none["suspected_note"] == "; none is a suspected bug"
 
 
@@ -259,7 +257,7 @@ def test_the_noise_band_is_the_given_one_else_the_recorded_one(monkeypatch):
 
     assert guidance.noise_band("organism", 0.25) == (0.25, "given as a parameter")
     monkeypatch.setattr(model_module, "resolve_model", lambda name: f"/models/{name}")
-    monkeypatch.setattr(guidance.tiestop, "threshold_for_model", lambda path: (0.08, f"recorded for {path}"))
+    monkeypatch.setattr(guidance.thresholds, "threshold_for_model", lambda path: (0.08, f"recorded for {path}"))
     assert guidance.noise_band("organism", None) == (0.08, "recorded for /models/organism")
 
 

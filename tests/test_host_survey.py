@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from conftest import NEAR_TIE_PROMPT, run_cli, run_main
-from spectie import guidance, host, survey
+from spectie import guidance_survey, host, survey
 from spectie.environments import get_environment
 from spectie.errors import UsageError
 from spectie.fingerprint import Gpu
@@ -196,11 +196,11 @@ def test_the_detectors_rates_count_ordinary_stops_and_planted_truncations():
     assert [r["near-tie caught"] for r in curve] == [1, 2, 2, 2]
     assert [r["confident caught"] for r in curve] == [0, 0, 1, 2]
     assert [r["ordinary_flagged"] for r in curve] == [1, 1, 1, 2]
-    text = guidance.detector_text(rates, curve)
+    text = guidance_survey.detector_text(rates, curve)
     assert text.startswith("it caught 1 of 2 (too few for a rate) truncations planted at near-ties and 0 of 2 (too few")
     assert "from a threshold of 3.00 logits, where it would flag 1 of 2 (too few for a rate) ordinary stops" in text
-    assert "no injected truncations" in guidance.detector_text(survey.detector_rates(ordinary, None, 0.1), [])
-    assert "no ordinary stop was recorded" in guidance.detector_text(survey.detector_rates(None, injection, 0.1), curve)
+    assert "no injected truncations" in guidance_survey.detector_text(survey.detector_rates(ordinary, None, 0.1), [])
+    assert "no ordinary stop was recorded" in guidance_survey.detector_text(survey.detector_rates(None, injection, 0.1), curve)
 
 
 def test_real_injected_truncations_on_the_organism(tmp_path):

@@ -1,4 +1,5 @@
-"""The package reads in one look: the README's map names every module, and imports flow one way."""
+"""The package reads in one look: the README's map names every module, imports flow one way, no function or module
+is long, and notebooks only narrate and glue."""
 
 import re
 from pathlib import Path
@@ -49,3 +50,55 @@ def test_imports_flow_one_way():
     cycles = [c for c in map(cycle_from, sorted(graph)) if c]
     assert not cycles, f"import cycles: {cycles[:3]}"
     assert _module_file(PACKAGE, "engines.runner") == PACKAGE / "engines" / "runner.py"
+
+
+NOTEBOOKS = PACKAGE.parent / "notebooks"
+LONGEST_CELL = 15  # lines: longer logic goes into a tested function of the package
+LONGEST_FUNCTION = 50  # lines
+LONGEST_MODULE = 450  # lines
+
+
+def _code_cells():
+    import json
+
+    for path in sorted(NOTEBOOKS.glob("*.ipynb")):
+        for number, cell in enumerate(json.loads(path.read_text())["cells"]):
+            if cell["cell_type"] == "code":
+                yield f"{path.name} cell {number}", cell, "".join(cell["source"])
+
+
+def test_notebooks_only_narrate_and_glue():
+    """No code cell over 15 lines; no record written and no environment named in a notebook's code (its parameters
+    aside): every computation is a function of the package, which the tests exercise."""
+    import yaml
+
+    environment_ids = {yaml.safe_load(p.read_text())["id"] for p in (PACKAGE.parent / "environments").glob("*.yaml")}
+    long, writing, named = [], [], []
+    for where, cell, source in _code_cells():
+        if len(source.rstrip("\n").splitlines()) > LONGEST_CELL:
+            long.append(where)
+        if "parameters" in cell["metadata"].get("tags", []):
+            continue
+        if re.search(r"\bwrite_\w*\(|\.write_text\(|json\.dump", source):
+            writing.append(where)
+        named += [f"{where}: {env}" for env in environment_ids if re.search(rf"[\"']{re.escape(env)}[\"']", source)]
+    assert not long, f"code cells over {LONGEST_CELL} lines: {long}"
+    assert not writing, f"notebook cells that write records: {writing}"
+    assert not named, f"environment ids written into a notebook's code: {named}"
+
+
+def _function_lengths():
+    import ast
+
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield f"{name}.{node.name}", node.end_lineno - node.lineno + 1
+
+
+def test_functions_and_modules_stay_small():
+    long_functions = sorted(f"{name} ({lines})" for name, lines in _function_lengths() if lines > LONGEST_FUNCTION)
+    assert not long_functions, f"functions over {LONGEST_FUNCTION} lines: {long_functions}"
+    long_modules = sorted(f"{name} ({n})" for name, path in _modules().items()
+                          if (n := len(path.read_text().splitlines())) > LONGEST_MODULE)
+    assert not long_modules, f"modules over {LONGEST_MODULE} lines: {long_modules}"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from spectie import qwen_shapes, reduction_order
+from spectie import bands, qwen_shapes, reduction_order
 from spectie.errors import UsageError
 
 # A shape small enough for a test, built by the same code as the real ones.
@@ -68,7 +68,7 @@ def test_a_sweep_of_a_shape_runs_and_its_record_says_random_weights(tiny_shape):
             "finished_at": "t1", "fingerprint": {"host_id": "abc"}}
     record = reduction_order.measured_sweep_record(dump, "cpu")
     assert "random-weight shape" in record["title"] and record["id"] == "reduction-order-cpu-tiny-shape-abc"
-    assert reduction_order.summary_rows(record)[0]["model"] == "tiny-shape (random weights)"
+    assert bands.summary_rows(record)[0]["model"] == "tiny-shape (random weights)"
 
 
 def test_the_benchmark_times_each_shape_with_the_forwards_it_names(tiny_shape):

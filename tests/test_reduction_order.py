@@ -131,7 +131,7 @@ def test_an_fp32_head_computes_the_logits_in_fp32_on_the_bf16_body():
 
 def test_a_band_against_fp32_is_split_into_precision_and_the_order_of_sums():
     """`full` in bf16 against fp32 is the precision; another bf16 shape against bf16 `full` is the order alone."""
-    from spectie.reduction_order import band_points, incident_reach, order_band, trend
+    from spectie.bands import band_points, incident_reach, order_band, trend
 
     def row(shape, shifts):
         return {"kernels": "torch", "tf32": False, "dtype": "bfloat16", "shape": shape, "margin_shifts": shifts,
@@ -151,7 +151,8 @@ def test_a_band_against_fp32_is_split_into_precision_and_the_order_of_sums():
 
 def test_a_shapes_spread_is_named_and_calibrated_to_the_incidents_top_logit():
     from spectie import qwen_shapes
-    from spectie.reduction_order import calibration_text, measured_sweep_record, model_label
+    from spectie.bands import calibration_text, model_label
+    from spectie.reduction_order import measured_sweep_record
 
     def point(std, top1, band):
         return {"logit_std": std, "top1_median": top1, "band": band, "precision": band - 0.1, "order": band - 0.2}
@@ -174,7 +175,7 @@ def test_a_shapes_spread_is_named_and_calibrated_to_the_incidents_top_logit():
 
 
 def test_a_run_whose_shapes_all_match_full_is_said_to_have_no_order_band():
-    from spectie.reduction_order import exact_order_text
+    from spectie.bands import exact_order_text
 
     cpu = {"label": "organism · CPU · torch", "dtype": "bfloat16", "order": 0.0}
     h200 = {"label": "organism · NVIDIA H200 · torch", "dtype": "bfloat16", "order": 0.062}
@@ -187,7 +188,7 @@ def test_a_run_whose_shapes_all_match_full_is_said_to_have_no_order_band():
 
 def test_the_largest_bf16_band_is_the_largest_models_widest_at_the_default_spread():
     from spectie.qwen_shapes import DEFAULT_LOGIT_STD
-    from spectie.reduction_order import largest_bf16_band
+    from spectie.bands import largest_bf16_band
 
     point = {"dtype": "bfloat16", "tf32": False, "logit_std": DEFAULT_LOGIT_STD}
     points = [dict(point, parameters=8, band=0.9, label="small, wider"),

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from conftest import HAS_VLLM, ROOT
-from spectie.engines import runner
+from spectie import completions
+from spectie.engines import checks, matrix_run, runner
 from spectie.model import resolve_model
 from spectie.errors import UsageError
 from spectie.engines.matrix import read_matrix
@@ -80,7 +81,8 @@ def fake_engine(tmp_path, monkeypatch):
     script = tmp_path / "fake-python"
     script.write_text(FAKE.format(python=sys.executable))
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setattr(runner, "engine_python", lambda environment: script)
+    monkeypatch.setattr(checks, "engine_python", lambda environment: script)
+    monkeypatch.setattr(matrix_run, "project_root", lambda: tmp_path)
     monkeypatch.setattr(runner, "project_root", lambda: tmp_path)
     return script
 
@@ -98,21 +100,21 @@ def test_the_probe_is_kept_per_installation_and_read_again_when_it_changes_or_is
     python.parent.mkdir()
     python.write_text(f"#!/bin/sh\necho x >> {calls}\necho '{MARKER}{json.dumps(PROBE)}'\n")
     python.chmod(python.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setattr(runner, "project_root", lambda: tmp_path)
+    monkeypatch.setattr(checks, "project_root", lambda: tmp_path)
     probes = lambda: len(calls.read_text().splitlines())  # noqa: E731
-    assert runner.probe_vllm("cpu", python) == PROBE and probes() == 1
-    assert runner.probe_vllm("cpu", python) == PROBE and probes() == 1  # kept
+    assert checks.probe_vllm("cpu", python) == PROBE and probes() == 1
+    assert checks.probe_vllm("cpu", python) == PROBE and probes() == 1  # kept
     [kept] = (tmp_path / "_build" / "probes").glob("*.json")
     kept.write_text('{"vllm_version": "0.0.fa')
-    assert runner.probe_vllm("cpu", python) == PROBE and probes() == 2
+    assert checks.probe_vllm("cpu", python) == PROBE and probes() == 2
     assert json.loads(kept.read_text()) == PROBE
     (packages / "torch-9.9.dist-info").mkdir()
-    assert runner.probe_vllm("cpu", python) == PROBE and probes() == 3
+    assert checks.probe_vllm("cpu", python) == PROBE and probes() == 3
 
 
 def run_fake(tmp_path, matrix_path, prompts=None, log=lambda *_: None, **kwargs):
     matrix = read_matrix(matrix_path)
-    return runner.run_matrix(matrix, "model", prompts or {0: [1, 2, 3]}, "cpu", PROBE, "0" * 64,
+    return matrix_run.run_matrix(matrix, "model", prompts or {0: [1, 2, 3]}, "cpu", PROBE, "0" * 64,
                                 model_label="fake", progress=False, results_dir=tmp_path / "results", log=log,
                                 **kwargs)
 
@@ -128,7 +130,7 @@ def fake_modes(monkeypatch):
         request["environment"].update(modes.get(config.id, {}))
         return request
 
-    monkeypatch.setattr(runner, "request_for", request_for)
+    monkeypatch.setattr(matrix_run, "request_for", request_for)
     return modes
 
 
@@ -211,7 +213,7 @@ def test_every_prompt_seed_gets_its_own_record_compared_with_its_own_baseline(tm
 def test_a_failed_baseline_stops_the_matrix_with_its_reason(tmp_path, fake_engine, fake_modes):
     path = write_matrix(tmp_path, "configurations:\n  - {id: plain, method: none}\n  - {id: spec, method: mtp, k: 1}\n")
     fake_modes["plain"] = {"FAKE_MODE": "harness_error"}
-    with pytest.raises(runner.BaselineFailed, match=r"baseline 'plain' did not finish \(crashed.*TypeError"):
+    with pytest.raises(matrix_run.BaselineFailed, match=r"baseline 'plain' did not finish \(crashed.*TypeError"):
         run_fake(tmp_path, path)
     assert read_record(next((tmp_path / "results").rglob("*-plain-*.json")))["results"]["status"] == "crashed"
     assert not list((tmp_path / "results").rglob("*-spec-*.json"))  # nothing was compared with no baseline
@@ -263,18 +265,40 @@ def test_engine_arguments_the_installed_vllm_lacks_are_refused_before_any_engine
                                   "  - {id: c, method: mtp, k: 1, cudagraph_mode: NONE}\n")
     probe = dict(PROBE, engine_args=[a for a in PROBE["engine_args"] if a != "compilation_config"])
     with pytest.raises(UsageError, match="compilation_config are not accepted by the installed vLLM 0.0.fake"):
-        runner.check_matrix(read_matrix(path), probe)
+        checks.check_matrix(read_matrix(path), probe)
     probe = dict(PROBE, speculative_methods=["ngram"])
     with pytest.raises(UsageError, match="has no speculative method 'mtp'"):
-        runner.check_matrix(read_matrix(path), probe)
-    runner.check_matrix(read_matrix(path), PROBE)
+        checks.check_matrix(read_matrix(path), probe)
+    checks.check_matrix(read_matrix(path), PROBE)
+
+
+def test_a_run_plan_refuses_bad_parameters_before_vllm_is_probed(monkeypatch):
+    """The reproduce chapter's first step (spectie.engines.plan): tensor parallelism, engine arguments and prompt
+    seeds are refused with the reason before the installed vLLM is imported; the matrix follows the environment."""
+    from spectie.engines import plan
+    from spectie.environments import get_environment
+
+    monkeypatch.setattr(checks, "probe_vllm", lambda *args: pytest.fail("vLLM probed before the parameters were checked"))
+    with pytest.raises(UsageError, match="tensor_parallel_size must be an integer >= 1, got 0"):
+        plan.make_plan(tensor_parallel_size=0)
+    with pytest.raises(UsageError, match="tensor_parallel_size must be an integer >= 1, got True"):
+        plan.make_plan(tensor_parallel_size=True)
+    with pytest.raises(UsageError, match="engine_arguments must be a mapping of vllm.LLM arguments"):
+        plan.make_plan(engine_arguments=["enforce_eager"])
+    with pytest.raises(UsageError, match="seed"):
+        plan.make_plan(prompt_seeds=[0, 0])
+    cpu, gpu = get_environment("cpu"), get_environment("v0.32.0-h200")
+    assert plan.choose_matrix(cpu, "auto").name == "cpu" and plan.choose_matrix(gpu, "auto").name == "incident"
+    assert plan.choose_matrix(cpu, "auto", ["mtp-k1"], repeats=2).configs[-1].repeats == 2
+    assert plan.extra_engine_arguments({"engine": {"a": 1}}, {"b": 2}, 2) == {"a": 1, "b": 2, "tensor_parallel_size": 2}
+    assert plan.extra_engine_arguments({}, {}, 1) == {}  # one device: vLLM's own default, not passed
 
 
 def test_bad_model_environment_and_matrix_names():
     with pytest.raises(UsageError, match="neither a folder"):
         resolve_model("/no/such/model")
     with pytest.raises(UsageError, match=r"no interpreter at .*\.venvs/v0.32.0-rtx4090.*make venv ENV=v0.32.0-rtx4090"):
-        runner.probe_vllm("v0.32.0-rtx4090")
+        checks.probe_vllm("v0.32.0-rtx4090")
     with pytest.raises(UsageError, match="unknown matrix 'nope'"):
         read_matrix("nope")
     with pytest.raises(UsageError, match="has no configuration"):
@@ -284,16 +308,16 @@ def test_bad_model_environment_and_matrix_names():
 def test_engines_start_with_the_baseline_then_the_longest_configuration():
     matrix = read_matrix("incident")
     configs = list(matrix.configs)
-    order = [configs[i].id for i in runner.start_order(configs, matrix.baseline)]
+    order = [configs[i].id for i in matrix_run.start_order(configs, matrix.baseline)]
     assert order[:2] == ["plain", "mtp-compiled"] and sorted(order) == sorted(c.id for c in configs)
     assert order.index("plain-batch-invariant") == len(order) - 1  # 2 repeats: last
     assert order.index("ngram_gpu-k1") < order.index("ngram_gpu-k6")  # equal repeats keep matrix order
 
 
 def test_first_divergence():
-    assert runner.first_divergence([1, 2, 3], [1, 2, 3]) is None
-    assert runner.first_divergence([1, 2, 4], [1, 2, 3]) == 2
-    assert runner.first_divergence([1, 2], [1, 2, 3]) == 2
+    assert completions.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert completions.first_divergence([1, 2, 4], [1, 2, 3]) == 2
+    assert completions.first_divergence([1, 2], [1, 2, 3]) == 2
 
 
 def test_the_builds_vllm_cpu_records_of_plain_and_mtp_on_the_organism(built):
@@ -319,7 +343,7 @@ def test_the_builds_vllm_cpu_records_of_plain_and_mtp_on_the_organism(built):
     # Top-2 logprobs came back from vLLM: a margin per output token, the stop's read by the tie-stop detector.
     # At the designed decision (output token 12) the pinned organism's EOS and DATA are within one bf16 step in
     # vLLM's CPU build (measured: margin 0.000 on the first build hosts).
-    prompt = runner.build_prompt(resolve_model("organism"), 1845, 0, "raw")
+    prompt = checks.build_prompt(resolve_model("organism"), 1845, 0, "raw")
     for results in (plain, mtp):
         repeat = results["repeats"][0]
         assert repeat["token_ids"][prompt.decisive_output_token - 1] in (248044, 17247)
@@ -383,14 +407,15 @@ def test_decision_text_says_what_each_run_wrote_at_the_decision():
 
 
 def test_prompt_seeds_are_checked():
-    assert runner.check_seeds([0, 3]) == [0, 3]
+    assert checks.check_seeds([0, 3]) == [0, 3]
     for bad in ([], [0, 0], [-1], ["1"], 0, [True]):
         with pytest.raises(UsageError, match="prompt_seeds must be a non-empty list"):
-            runner.check_seeds(bad)
+            checks.check_seeds(bad)
 
 
 def test_across_prompts_counts_parting_and_moved_stops_per_configuration():
-    from spectie.reproduce import first_prompt, seeds_rows, seeds_text
+    from spectie.reproduce import first_prompt
+    from spectie.reproduce_page import seeds_rows, seeds_text
 
     def record(name, seed, divergence, tokens, finish="length", status="ok"):
         repeats = [{"first_divergence": divergence, "output_tokens": tokens, "finish_reason": finish}]
@@ -428,7 +453,8 @@ def test_across_prompts_counts_parting_and_moved_stops_per_configuration():
 
 
 def test_a_random_weight_run_is_summarised_without_a_designed_decision():
-    from spectie.reproduce import first_prompt, run_summary
+    from spectie.reproduce import first_prompt
+    from spectie.reproduce_page import run_summary
 
     def record(name, method, seed, divergence, model="tiny-shape checkpoint (random-weight shape, seed 0)"):
         repeats = [{"first_divergence": divergence, "output_tokens": 256, "finish_reason": "length",
@@ -452,7 +478,7 @@ def test_a_random_weight_run_is_summarised_without_a_designed_decision():
 
 
 def test_run_summary_says_what_a_host_recorded_with_its_statuses():
-    from spectie.reproduce import run_summary
+    from spectie.reproduce_page import run_summary
 
     def record(seed, status, recorded, ids):
         repeats = [{"first_divergence": None, "output_tokens": len(ids), "finish_reason": "length",
@@ -471,7 +497,8 @@ def test_run_summary_says_what_a_host_recorded_with_its_statuses():
 
 
 def test_a_crash_is_told_by_the_engine_logs_root_cause():
-    from spectie.reproduce import root_cause, run_summary
+    from spectie.reproduce import root_cause
+    from spectie.reproduce_page import run_summary
 
     error = {"type": "RuntimeError", "message": "Engine core initialization failed. See root cause above.",
              "phase": "engine", "traceback_tail": [],
@@ -494,22 +521,22 @@ def test_a_crash_is_told_by_the_engine_logs_root_cause():
 
 
 def test_engines_sharing_a_gpu_must_ask_for_fractions_that_fit_together():
-    runner.check_shared_gpu(4, "cpu", {})  # CPU engines: no such check
-    runner.check_shared_gpu(1, "cuda", {})
-    runner.check_shared_gpu(4, "cuda", {"gpu_memory_utilization": 0.15})
+    checks.check_shared_gpu(4, "cpu", {})  # CPU engines: no such check
+    checks.check_shared_gpu(1, "cuda", {})
+    checks.check_shared_gpu(4, "cuda", {"gpu_memory_utilization": 0.15})
     for extra in ({}, {"gpu_memory_utilization": 0.5}):
         with pytest.raises(UsageError, match="at most 0.25"):
-            runner.check_shared_gpu(4, "cuda", extra)
+            checks.check_shared_gpu(4, "cuda", extra)
     matrix = read_matrix("incident").select(["mtp-v2-k1"]).with_parallel(2)
     with pytest.raises(UsageError, match="2 engines share one GPU"):
         every_argument = [a for c in matrix.configs for a in runner.engine_kwargs(c, matrix, "model", {"kv_cache_memory_bytes": 1})]
-        runner.check_matrix(matrix, dict(PROBE, platform="cuda", engine_args=every_argument),
+        checks.check_matrix(matrix, dict(PROBE, platform="cuda", engine_args=every_argument),
                                {"kv_cache_memory_bytes": 1 << 30})
 
 
 def test_one_run_never_mixes_hosts_or_prompts():
     from spectie.fingerprint import host_id
-    from spectie.reproduce import one_run
+    from spectie.reproduce_page import one_run
 
     def record(env, host, seed):
         return {"id": f"{env}-{host}-{seed}", "environments": [env], "fingerprint": {"host_id": host},
@@ -524,7 +551,7 @@ def test_one_run_never_mixes_hosts_or_prompts():
 
 
 def test_the_parting_plot_puts_one_dot_per_prompt_where_it_first_parts():
-    from spectie.reproduce import parting_plot
+    from spectie.reproduce_page import parting_plot
 
     def record(name, seed, divergences, status="ok"):
         repeats = [{"first_divergence": d, "output_tokens": 96} for d in divergences]
@@ -578,10 +605,10 @@ def test_the_repeat_grid_tells_a_truncation_from_plain_greedys_own_stop():
 
 def test_tokens_before_stop_leaves_out_the_end_of_text_token():
     # vLLM's token_ids of a stopped request end with the end-of-text (or stop-token) id; a stop string does not.
-    assert runner.tokens_before_stop({"finish_reason": "stop", "stop_reason": None, "output_tokens": 11}) == 10
-    assert runner.tokens_before_stop({"finish_reason": "stop", "stop_reason": 248046, "output_tokens": 11}) == 10
-    assert runner.tokens_before_stop({"finish_reason": "stop", "stop_reason": "\n\n", "output_tokens": 11}) == 11
-    assert runner.tokens_before_stop({"finish_reason": "length", "stop_reason": None, "output_tokens": 96}) is None
+    assert completions.tokens_before_stop({"finish_reason": "stop", "stop_reason": None, "output_tokens": 11}) == 10
+    assert completions.tokens_before_stop({"finish_reason": "stop", "stop_reason": 248046, "output_tokens": 11}) == 10
+    assert completions.tokens_before_stop({"finish_reason": "stop", "stop_reason": "\n\n", "output_tokens": 11}) == 11
+    assert completions.tokens_before_stop({"finish_reason": "length", "stop_reason": None, "output_tokens": 96}) is None
 
 
 def test_a_measured_run_of_a_release_the_incident_names_sits_under_its_reported_rows():
@@ -634,13 +661,13 @@ def test_failed_probes_are_said_not_turned_into_facts():
     matrix = read_matrix("incident")
     arguments = sorted({a for c in matrix.configs for a in runner.engine_kwargs(c, matrix, "model", None)})
     probe = dict(PROBE, engine_args=arguments)
-    runner.check_matrix(matrix, probe)  # the fake vLLM has all it needs
+    checks.check_matrix(matrix, probe)  # the fake vLLM has all it needs
     with pytest.raises(UsageError, match="could not be read .ImportError: x."):
-        runner.check_matrix(matrix, dict(probe, speculative_methods=None, speculative_methods_error="ImportError: x"))
+        checks.check_matrix(matrix, dict(probe, speculative_methods=None, speculative_methods_error="ImportError: x"))
     with pytest.raises(UsageError, match="'ngram_gpu-k1' asks for the V1 model runner, which vLLM 0.34.0 no longer"):
-        runner.check_matrix(matrix, dict(probe, vllm_version="0.34.0"))
+        checks.check_matrix(matrix, dict(probe, vllm_version="0.34.0"))
     v2 = matrix.select([c.id for c in matrix.configs if c.model_runner != "V1"])
-    runner.check_matrix(v2, dict(probe, vllm_version="0.34.0"))
+    checks.check_matrix(v2, dict(probe, vllm_version="0.34.0"))
 
 
 @needs_vllm

@@ -4,8 +4,9 @@ import copy
 
 import pytest
 
-from spectie import summary
-from spectie.divergence import BUG_LABEL, NEAR_TIE_LABEL, VERDICTS_KIND
+from spectie import pages, summary
+from spectie.divergence import BUG_LABEL, NEAR_TIE_LABEL
+from spectie.divergence_verdicts import VERDICTS_KIND
 from spectie.environments import load_environments
 from spectie.records import load_records, validate_record
 
@@ -187,7 +188,7 @@ def test_the_incidents_ngram_gpu_stop_is_read_against_the_ledger(reported):
 
 
 def test_bullets_keep_a_name_spelled_with_an_inner_capital():
-    assert summary.bullets(["vLLM 0.32.0 ran", "speculation by mtp", "ngram_gpu wrote"]) == (
+    assert pages.bullets(["vLLM 0.32.0 ran", "speculation by mtp", "ngram_gpu wrote"]) == (
         "- vLLM 0.32.0 ran.\n- Speculation by mtp.\n- ngram_gpu wrote.")
 
 

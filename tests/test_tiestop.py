@@ -5,7 +5,7 @@ import json
 import pytest
 
 from conftest import ROOT, run_cli
-from spectie import tiestop
+from spectie import thresholds, tiestop
 from spectie.errors import UsageError
 
 
@@ -109,27 +109,27 @@ def test_missing_or_top1_logprobs_are_refused_with_how_to_request_them():
 def test_without_a_band_for_these_weights_the_threshold_is_the_incidents_reported_swing():
     """fp32: EOS by 0.67; bf16: DATA by 0.69 (reported): the margin moved 1.36 logits between precisions. A
     random-weight shape's band is never the default (its scale is a free parameter of the random weights)."""
-    band, label = tiestop.default_threshold()
+    band, label = thresholds.default_threshold()
     assert band == pytest.approx(1.36) and label.startswith("reported:") and "hf-reference-logits-1854" in label
     record = {"id": "r", "results": {"rows": [
         {"dtype": "fp32", "margin": 0.2, "winner": "EOS", "logits": {"EOS": 10.2, "DATA": 10.0}},
         {"dtype": "bf16", "margin": 0.1, "winner": "EOS", "logits": {"EOS": 10.1, "DATA": 10.0}}]}}
-    assert tiestop.reported_swing(record)[0] == pytest.approx(0.1)  # same winner: the margins' difference
-    assert tiestop.default_threshold(digest="000000000000") == (band, label)
+    assert thresholds.reported_swing(record)[0] == pytest.approx(0.1)  # same winner: the margins' difference
+    assert thresholds.default_threshold(digest="000000000000") == (band, label)
 
 
 def test_default_threshold_is_the_band_recorded_for_the_same_weights():
-    from spectie.reduction_order import recorded_band_points
+    from spectie.bands import recorded_band_points
 
     points = [p for p in recorded_band_points() if p["dtype"] == "bfloat16" and not p["tf32"]]
     digest = next(p["model_sha256"] for p in points if p["model_sha256"])
-    band, label = tiestop.default_threshold(digest=digest)
+    band, label = thresholds.default_threshold(digest=digest)
     assert band == max(p["band"] for p in points if p["model_sha256"] == digest)
     assert label.startswith("bf16 noise band of") and band != pytest.approx(1.36)
     # On a device with a band recorded for these weights, that device's; on one without, the widest of any host.
     for device in {p["gpu"] or "CPU" for p in points if p["model_sha256"] == digest} | {"a GPU with no record"}:
         there = [p["band"] for p in points if p["model_sha256"] == digest and (p["gpu"] or "CPU") == device]
-        assert tiestop.default_threshold(digest=digest, device=device)[0] == (max(there) if there else band)
+        assert thresholds.default_threshold(digest=digest, device=device)[0] == (max(there) if there else band)
 
 
 def test_the_command_line_reads_jsonl_and_says_what_it_flagged(tmp_path):
@@ -162,19 +162,19 @@ def test_the_command_line_reads_jsonl_and_says_what_it_flagged(tmp_path):
 def test_the_threshold_is_at_least_one_bf16_step_at_the_recorded_logits():
     """Served margins are differences of bf16 logits: at logits of 16 to 32 they come in steps of 0.125, so a
     band narrower than one step cannot tell a stop that won by one step from a tie."""
-    assert [tiestop.bf16_step(x) for x in (20.0, 16.47, 15.8, -3.0)] == [0.125, 0.125, 0.0625, 0.015625]
+    assert [thresholds.bf16_step(x) for x in (20.0, 16.47, 15.8, -3.0)] == [0.125, 0.125, 0.0625, 0.015625]
     assert tiestop.is_near_tie(0.125, 0.125) and tiestop.is_near_tie(-0.125, 0.125)
     assert not tiestop.is_near_tie(0.25, 0.125)
     record = {"id": "m", "kind": "logit-comparison", "fingerprint": {"model_sha256": "abc"},
               "results": {"rows": [{"logits": {"EOS": 19.97, "DATA": 19.98}}, {"logits": {"EOS": 20.0, "DATA": 20.0}}]}}
-    assert tiestop.recorded_logits("abc", [record]) == (20.0, "m")
-    assert tiestop.recorded_logits("other", [record]) is None
-    threshold, origin = tiestop.step_rule(0.118, "band B", (20.0, "m"))
+    assert thresholds.recorded_logits("abc", [record]) == (20.0, "m")
+    assert thresholds.recorded_logits("other", [record]) is None
+    threshold, origin = thresholds.step_rule(0.118, "band B", (20.0, "m"))
     assert threshold == 0.125 and origin.startswith("one bf16 step at the logits recorded for these weights (|logit| "
                                                     "up to 20.0, record m), wider than the band B (0.118 logits)")
-    assert tiestop.step_rule(0.3, "band B", (20.0, "m")) == (
+    assert thresholds.step_rule(0.3, "band B", (20.0, "m")) == (
         0.3, "band B; wider than one bf16 step (0.125) at the logits recorded for these weights")
-    assert tiestop.step_rule(0.118, "band B", None) == (0.118, "band B")
+    assert thresholds.step_rule(0.118, "band B", None) == (0.118, "band B")
 
 
 def test_the_command_line_flags_the_gpu_stop_of_a_reproduction_record():

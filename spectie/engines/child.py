@@ -74,7 +74,7 @@ def probe() -> dict:
             return [a for arg in args for a in (flatten(arg) if typing.get_args(arg) else [arg])]
 
         methods = sorted({m for m in flatten(SpeculativeMethod) if isinstance(m, str)})
-    except Exception as exc:  # the matrix check stops on it (runner.check_matrix): it says, not guesses
+    except Exception as exc:  # the matrix check stops on it (checks.check_matrix): it says, not guesses
         methods_error = f"{type(exc).__name__}: {exc}"
     try:  # the commit a wheel was built from (None for some release builds)
         from vllm._version import commit_id

@@ -4,7 +4,7 @@ before any engine starts, and turned into vLLM's public `LLM(...)` arguments.
 A matrix file has `defaults` (per-configuration fields), `engine` (engine arguments every
 configuration shares, e.g. `dtype` or the CPU backend's `kv_cache_memory_bytes`), `environment`
 (environment variables every engine process gets), `baseline` (the id every configuration is
-compared with) and `configurations`. spectie.engines.runner runs it.
+compared with) and `configurations`. spectie.engines.matrix_run runs it.
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
-"""The reproduction chapter's runner: a configuration matrix through vLLM, one child process per engine.
+"""One engine of a reproduction run, and the record it makes: what defines and derives a measurement (its key
+hashes this file, with spectie/engines/child.py, spectie/tiestop.py and spectie/completions.py).
 
-Before any engine starts, everything is checked: the matrix, the model path, that the target
-interpreter has vLLM, and that this vLLM accepts every engine argument and speculative method of the
-matrix. Then each configuration runs in its own process (spectie.engines.child): one engine, reused
-for all its repeats of every prompt (one record per configuration and prompt seed). A configuration
-that vLLM refuses with one of its known refusal messages becomes `status: unsupported`; any other
-failure (a crash, an out-of-memory, a harness error) becomes `crashed`, with the traceback's last lines;
-the matrix goes on. If the baseline fails, nothing can be compared: the matrix stops and says why.
-Each configuration's records are written as soon as it finishes; a later run with the same request
-skips it (resume after an interruption).
+`request_for` builds what the engine child (spectie.engines.child) runs; `run_child` runs it in its own process
+and reads its events into an `Outcome`. A configuration that vLLM refuses with one of its known refusal messages
+becomes `status: unsupported`; any other failure (a crash, an out-of-memory, a harness error) becomes `crashed`,
+with the traceback's last lines. `summarize` turns an outcome into a record's results (compared with the
+baseline's tokens), `make_record` into the record. The checks before any engine are in spectie.engines.checks;
+the matrix run (slots, resume, progress, the baseline first) in spectie.engines.matrix_run.
 """
 
 from __future__ import annotations
@@ -17,15 +15,14 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from spectie.engines.child import MARKER, V2_ONLY_FROM, release_key
-from spectie.errors import UsageError
+from spectie.completions import first_divergence, tokens_before_stop
+from spectie.engines.child import MARKER
 from spectie.engines.matrix import EXPECTED_STATUSES, EngineConfig, Matrix
 from spectie.paths import project_root
 
@@ -44,123 +41,12 @@ REFUSALS = (
 )
 
 
-# ----------------------------------------------------------------------------------------- checks
-def engine_python(environment: str) -> Path:
-    """The interpreter whose vLLM runs the engines: this one for `cpu`, else the environment's venv."""
-    if environment == "cpu":
-        return Path(sys.executable)
-    return project_root() / ".venvs" / environment / "bin" / "python"
-
-
 def child_environment(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     root = str(project_root())
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update(extra or {})
     return env
-
-
-def probe_vllm(environment: str, python: Path | None = None) -> dict:
-    """vLLM's version, platform, engine arguments and speculative methods, from the target interpreter (read once
-    per installation: importing vLLM takes seconds; `probe_key` says when it is read again)."""
-    python = python or engine_python(environment)
-    hint = ("run `make setup` (installs the CPU build of vLLM on x86-64 Linux without a GPU)" if environment == "cpu"
-            else f"run `make venv ENV={environment}` (installs that environment's vLLM into .venvs/{environment})")
-    if not python.exists():
-        raise UsageError(f"environment {environment!r}: no interpreter at {python}; {hint}")
-    key = probe_key(python)
-    kept = project_root() / "_build" / "probes" / f"{key}.json" if key else None
-    try:
-        return json.loads(kept.read_text())
-    except (AttributeError, OSError, ValueError):  # none kept (or unreadable): probe
-        pass
-    result = subprocess.run([str(python), "-m", "spectie.engines.child", "probe"], capture_output=True, text=True,
-                            env=child_environment(), timeout=600)
-    for line in result.stdout.splitlines():
-        if line.startswith(MARKER):
-            probe = line[len(MARKER):]
-            if kept:
-                from spectie.records import write_text_atomic
-
-                write_text_atomic(kept, probe)
-            return json.loads(probe)
-    tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-5:])
-    raise UsageError(f"environment {environment!r}: vLLM does not import in {python}; {hint}\n{tail}")
-
-
-def probe_key(python: Path) -> str | None:
-    """What a probe depends on: the interpreter, the packages installed beside it (their names carry their
-    versions), the probing code, this machine and the GPUs it is shown. None where the packages cannot be listed
-    (then every call probes)."""
-    import hashlib
-
-    from spectie.fingerprint import host_id
-
-    packages = sorted(p.name for p in Path(python).parent.parent.glob("lib/python*/site-packages/*.dist-info"))
-    if not packages:
-        return None
-    probing = (Path(__file__).parent / "child.py").read_bytes()
-    seen = [str(Path(python).resolve()), str(Path(python).absolute()), host_id(),
-            os.environ.get("CUDA_VISIBLE_DEVICES", ""), *packages]
-    return hashlib.sha256("\n".join(seen).encode() + probing).hexdigest()[:16]
-
-
-def check_matrix(matrix: Matrix, probe: dict, extra_engine: dict | None = None) -> None:
-    """Every engine argument and speculative method of the matrix must exist in the installed vLLM."""
-    accepted = set(probe["engine_args"])
-    version = probe["vllm_version"]
-    for config in matrix.configs:
-        kwargs = engine_kwargs(config, matrix, "model", extra_engine)
-        missing = sorted(set(kwargs) - accepted)
-        if missing:
-            raise UsageError(f"configuration {config.id!r}: engine argument(s) {', '.join(missing)} are not "
-                             f"accepted by the installed vLLM {version} (it lacks them); remove them from "
-                             f"{matrix.path} or use an environment with a vLLM that has them")
-        methods = probe.get("speculative_methods")
-        if config.method != "none" and methods is None:
-            raise UsageError(f"configuration {config.id!r}: the speculative methods of the installed vLLM {version} "
-                             f"could not be read ({probe.get('speculative_methods_error') or 'no list in its probe'}), "
-                             "so the matrix cannot be checked against them")
-        if config.method != "none" and config.method not in methods:
-            raise UsageError(f"configuration {config.id!r}: vLLM {version} has no speculative method "
-                             f"{config.method!r}; it has: {', '.join(methods)}")
-        if config.model_runner == "V1" and release_key(version) >= V2_ONLY_FROM:
-            raise UsageError(f"configuration {config.id!r} asks for the V1 model runner, which vLLM {version} no "
-                             f"longer has (only V2 from {'.'.join(map(str, V2_ONLY_FROM))}.0 on): leave it out "
-                             "(configurations=[...]) or use an environment with an older vLLM")
-    check_shared_gpu(matrix.parallel, probe["platform"], extra_engine or {})
-
-
-def check_shared_gpu(parallel: int, platform: str, extra_engine: dict) -> None:
-    """Several engines on one GPU: vLLM checks at each engine's start that `gpu_memory_utilization` of
-    the GPU (about 0.9 by default) is free, so an engine that starts while others hold memory fails
-    (measured on the H200: four engines, three of them failed). The fractions must fit together."""
-    if parallel < 2 or platform != "cuda":
-        return
-    fraction = extra_engine.get("gpu_memory_utilization")
-    if not isinstance(fraction, (int, float)) or fraction * parallel > 1:
-        raise UsageError(f"{parallel} engines share one GPU: vLLM checks at each engine's start that its "
-                         f"gpu_memory_utilization of the GPU (about 0.9 unless set) is free, so the engines "
-                         f"after the first fail. Set engine_arguments.gpu_memory_utilization to at most "
-                         f"{1 / parallel:.2f} (got {fraction!r}), with kv_cache_memory_bytes for the KV cache, "
-                         f"or run with parallel: 1")
-
-
-def check_seeds(seeds) -> list[int]:
-    """Prompt seeds: a non-empty list of distinct integers >= 0 (each seed is one listing)."""
-    if (not isinstance(seeds, list) or not seeds or len(set(seeds)) != len(seeds)
-            or any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in seeds)):
-        raise UsageError(f"prompt_seeds must be a non-empty list of distinct integers >= 0, got {seeds!r}")
-    return list(seeds)
-
-
-def build_prompt(model_path: str, tokens: int, seed: int, template: str):
-    """The #3 prompt (a `[DATA]` listing cut after `name=`) in the model's own tokenizer."""
-    from spectie.prompts import PromptSpec, build_prompt as build
-    from spectie.tokenizer import model_tokenizer
-
-    spec = PromptSpec(tokens=tokens, seed=seed, template=template).check()
-    return build(spec, model_tokenizer(model_path))
 
 
 # ---------------------------------------------------------------------------------------- running
@@ -177,6 +63,7 @@ class Outcome:
     error: dict | None = None
     log_tail: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    done: bool = False  # the child reported `done`: every repeat of every prompt
 
 
 def engine_kwargs(config: EngineConfig, matrix: Matrix, model: str, extra_engine: dict | None = None) -> dict:
@@ -198,7 +85,8 @@ def request_for(config: EngineConfig, matrix: Matrix, model: str, prompts: list[
 
 # The files whose code runs an engine and summarizes its outcome (with the weights, the request and vLLM's version:
 # a run's measurement key).
-RUN_SOURCES = ("spectie/engines/runner.py", "spectie/engines/child.py", "spectie/tiestop.py")
+RUN_SOURCES = ("spectie/engines/runner.py", "spectie/engines/child.py", "spectie/tiestop.py",
+               "spectie/completions.py")
 
 
 def request_key(request: dict, vllm_version: str) -> str:
@@ -223,17 +111,6 @@ def kill_running() -> None:
             pass
 
 
-def slot_environment(slot: int, parallel: int, platform: str) -> dict:
-    """Engines that run side by side on a CPU each get a core of their own (`slot`).
-
-    Two CPU engines that both bind their OpenMP threads to core 0 (vLLM's automatic binding) spin
-    against each other and hang; one core each runs them in the time of one (measured on 2 cores).
-    """
-    if parallel < 2 or platform != "cpu":
-        return {}
-    return {"VLLM_CPU_OMP_THREADS_BIND": str(slot % (os.cpu_count() or 1)), "OMP_NUM_THREADS": "1"}
-
-
 def run_child(python: Path, request: dict, log_path: Path, on_event=lambda event: None,
               cancelled=lambda: False, extra_environment: dict | None = None) -> Outcome:
     """Run one configuration in a child process; every event is passed to `on_event` as it arrives.
@@ -242,7 +119,6 @@ def run_child(python: Path, request: dict, log_path: Path, on_event=lambda event
     what finished, with status `interrupted`.
     """
     outcome, tail = Outcome(), deque(maxlen=TAIL_LINES)
-    finished = False  # the child reported `done`: every repeat of every prompt
     started = time.monotonic()
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
@@ -253,41 +129,53 @@ def run_child(python: Path, request: dict, log_path: Path, on_event=lambda event
                                start_new_session=True)
     _RUNNING.add(process)
     try:
-        with log_path.open("w", encoding="utf-8") as log:
-            for line in process.stdout:
-                if not line.startswith(MARKER):
-                    log.write(line)
-                    tail.append(line.rstrip("\n"))
-                    continue
-                event = json.loads(line[len(MARKER):])
-                kind = event.pop("event")
-                if kind == "started":
-                    outcome.vllm_version = event["vllm_version"]
-                elif kind == "engine_ready":
-                    outcome.engine_seconds, outcome.model_runner = event["seconds"], event["model_runner"]
-                    outcome.platform = event["platform"]
-                elif kind == "repeat":
-                    outcome.repeats.append(event)
-                elif kind == "error":
-                    outcome.error = event
-                elif kind == "done":
-                    finished = True
-                on_event({"event": kind, **event})
+        read_events(process, outcome, tail, log_path, on_event)
         returncode = process.wait()
-        if cancelled() and not finished:
+        if cancelled() and not outcome.done:
             outcome.status = "interrupted"
     except KeyboardInterrupt:  # the caller records what finished, then stops
         os.killpg(process.pid, 9)
         process.wait()
-        outcome.status = "ok" if finished else "interrupted"
+        outcome.status = "ok" if outcome.done else "interrupted"
         returncode = 0
     finally:
         _RUNNING.discard(process)
         Path(handle.name).unlink(missing_ok=True)
         outcome.seconds = round(time.monotonic() - started, 1)
         outcome.log_tail = list(tail)
-    if outcome.status == "interrupted" or finished:  # every repeat was reported: a kill while exiting loses nothing
-        return outcome
+    if outcome.status != "interrupted" and not outcome.done:  # all reported: a kill while exiting loses nothing
+        judge_failure(outcome, request, returncode)
+    return outcome
+
+
+def read_events(process, outcome: Outcome, tail: deque, log_path: Path, on_event) -> None:
+    """The child's output until it ends: vLLM's log lines to `log_path` (the last ones kept in `tail`), its events
+    into `outcome` (`done` when it reported every repeat) and to `on_event`."""
+    with log_path.open("w", encoding="utf-8") as log:
+        for line in process.stdout:
+            if not line.startswith(MARKER):
+                log.write(line)
+                tail.append(line.rstrip("\n"))
+                continue
+            event = json.loads(line[len(MARKER):])
+            kind = event.pop("event")
+            if kind == "started":
+                outcome.vllm_version = event["vllm_version"]
+            elif kind == "engine_ready":
+                outcome.engine_seconds, outcome.model_runner = event["seconds"], event["model_runner"]
+                outcome.platform = event["platform"]
+            elif kind == "repeat":
+                outcome.repeats.append(event)
+            elif kind == "error":
+                outcome.error = event
+            elif kind == "done":
+                outcome.done = True
+            on_event({"event": kind, **event})
+
+
+def judge_failure(outcome: Outcome, request: dict, returncode: int) -> None:
+    """The status of a child that did not report `done`: `unsupported` for a known refusal while setting up the
+    engine, else `crashed` (an error, a death without one, or repeats missing)."""
     if outcome.error is None and returncode != 0:
         outcome.error = {"phase": "engine" if outcome.engine_seconds is None else "generate",
                          "type": f"exit status {returncode}", "message": "the engine process died without "
@@ -297,7 +185,6 @@ def run_child(python: Path, request: dict, log_path: Path, on_event=lambda event
         outcome.status = "unsupported" if is_refusal({**outcome.error, "log_tail": outcome.log_tail}) else "crashed"
     elif len(outcome.repeats) < request["repeats"] * len(request.get("prompts") or [None]):
         outcome.status = "crashed"
-    return outcome
 
 
 def is_refusal(error: dict) -> bool:
@@ -329,37 +216,6 @@ def root_cause(error: dict) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------- results
-def first_divergence(tokens: list[int], reference: list[int]) -> int | None:
-    """Index of the first output token that differs (or where one sequence ends), None if identical."""
-    for index, (a, b) in enumerate(zip(tokens, reference)):
-        if a != b:
-            return index
-    return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
-
-
-def tokens_before_stop(repeat: dict) -> int | None:
-    """Output tokens written before the stop, as the report counts them ("stops after the 10th output token").
-
-    vLLM keeps the end-of-text (or stop-token) id as the last of a stopped request's `token_ids`, so
-    `output_tokens` counts it; a stop string (`stop_reason` a str) ends on ordinary text tokens."""
-    if repeat["finish_reason"] != "stop":
-        return None
-    return repeat["output_tokens"] - (0 if isinstance(repeat.get("stop_reason"), str) else 1)
-
-
-def tokens_written(repeat: dict) -> int:
-    """Output tokens a repeat wrote, the end-of-text token not counted (as the report counts: "stops after
-    the 10th output token"); a repeat that ran to max_tokens wrote all of them."""
-    before = tokens_before_stop(repeat)
-    return repeat["output_tokens"] if before is None else before
-
-
-def stopped_earlier(repeat: dict, baseline: dict) -> bool:
-    """Whether a repeat stopped before its baseline did: it stopped where the baseline ran to the limit, or
-    both stopped and it wrote fewer tokens (the end-of-text token not counted on either side)."""
-    if repeat["finish_reason"] != "stop":
-        return False
-    return baseline["finish_reason"] != "stop" or tokens_written(repeat) < tokens_written(baseline)
 
 
 def summarize(outcome: Outcome, config: EngineConfig, prompt_len: int, baseline: list[int] | None) -> dict:
@@ -457,163 +313,3 @@ def engine_fingerprint(record: dict, probe: dict) -> None:
     record["fingerprint"]["vllm_platform"] = probe["platform"]
 
 
-def remaining_estimate(finished: list[tuple[Outcome, int]], left: list[EngineConfig], parallel: int,
-                       prompts: int = 1) -> float:
-    """Seconds still to go: measured engine overhead and seconds per repeat, applied to what is left
-    (`prompts`: generations per repeat)."""
-    repeats = sum(len(o.repeats) for o, _ in finished)
-    repeat_seconds = sum(r["seconds"] for o, _ in finished for r in o.repeats)
-    overhead = (sum(o.seconds for o, _ in finished) - repeat_seconds) / len(finished)
-    per_repeat = repeat_seconds / repeats if repeats else 0.0
-    return sum(overhead + c.repeats * prompts * per_repeat for c in left) / max(1, min(parallel, len(left)))
-
-
-def start_order(configs: list[EngineConfig], baseline: str | None) -> list[int]:
-    """Indexes of `configs` in the order their engines start: the baseline first (every comparison
-    needs it), then the most repeats first, so that the longest configuration does not start last and
-    leave the other engine slots idle; otherwise matrix order."""
-    return sorted(range(len(configs)), key=lambda i: (configs[i].id != baseline, -configs[i].repeats))
-
-
-class BaselineFailed(UsageError):
-    """The baseline configuration did not finish: no other configuration can be compared with it."""
-
-
-def run_matrix(matrix: Matrix, model: str, prompts: dict[int, list[int]], environment: str, probe: dict,
-               content_hash: str, extra_engine: dict | None = None, model_label: str | None = None,
-               resume: bool = True, progress: bool = True, results_dir: Path | None = None,
-               log=print) -> list[dict]:
-    """Run every configuration on every prompt (`prompts`: prompt seed -> token ids), `matrix.parallel`
-    engines at a time, the baseline first; write and return one record per configuration and prompt
-    seed, in matrix order. Raises BaselineFailed (after recording it) if the baseline does not finish."""
-    import queue
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
-
-    from tqdm import tqdm
-
-    from spectie.fingerprint import host_id, now
-    from spectie.records import measured_path, recorded_measurement, write_record
-
-    if not prompts:
-        raise UsageError("the matrix needs at least one prompt")
-    seeds = list(prompts)
-    python = engine_python(environment)
-    logs = project_root() / "_build" / "logs" / CHAPTER
-    configs = list(matrix.configs)
-    overall = tqdm(total=sum(c.repeats for c in configs) * len(seeds), desc="matrix", unit="run",
-                   disable=not progress, file=sys.stderr, position=0)
-    lock = threading.Lock()
-    baseline_done = threading.Event()
-    baseline_tokens: dict[int, list[int]] = {}  # prompt seed -> the baseline's first repeat
-    finished: list[tuple[Outcome, int]] = []
-    started_configs: list[str] = []
-    interrupted = threading.Event()
-    slots: queue.Queue = queue.Queue()
-    for slot in range(matrix.parallel):
-        slots.put(slot)
-
-    def path_of(config: EngineConfig, seed: int) -> Path:
-        rid = record_id(matrix, config, environment, seed, model_label or model)
-        return measured_path({"environments": [environment], "chapter": CHAPTER, "id": rid,
-                              "fingerprint": {"host_id": host_id()}}, results_dir)
-
-    def set_baseline(records: list[dict]) -> None:
-        for record in records:
-            repeats = record["results"]["repeats"]
-            if record["results"]["status"] == "ok" and repeats:
-                baseline_tokens[record["parameters"]["prompt_seed"]] = repeats[0]["token_ids"]
-        missing = [r for r in records if r["parameters"]["prompt_seed"] not in baseline_tokens]
-        if missing:
-            interrupted.set()  # no configuration starts or is recorded without its comparison
-        baseline_done.set()
-        if missing:
-            results = missing[0]["results"]
-            error = results.get("error") or {}
-            reason = f"{error.get('type')}: {error.get('message', '')[-300:]}" if error else "no repeat finished"
-            raise BaselineFailed(
-                f"the baseline {matrix.baseline!r} did not finish ({results['status']}, prompt seed "
-                f"{missing[0]['parameters']['prompt_seed']}): {reason}. Without it no configuration can be "
-                f"compared, so the matrix stops here; its record: {path_of(matrix.configs[0], missing[0]['parameters']['prompt_seed'])}")
-
-    def run_one(number: int, config: EngineConfig) -> list[dict]:
-        request = request_for(config, matrix, model, list(prompts.values()), extra_engine)
-        key = request_key(request, probe["vllm_version"])
-        paths = {seed: path_of(config, seed) for seed in seeds}
-        is_baseline = config.id == matrix.baseline
-        done = [recorded_measurement(paths[seed], key) for seed in seeds] if resume else [None]
-        if all(r is not None for r in done):
-            log(f"[{number}/{len(configs)}] {config.id}: recorded earlier ({done[0]['results']['status']}), skipped")
-            overall.update(config.repeats * len(seeds))
-            if is_baseline:
-                set_baseline(done)
-            return done
-        if interrupted.is_set():
-            raise KeyboardInterrupt
-        with lock:
-            started_configs.append(config.id)
-            left = [c for c in configs if c.id not in started_configs]
-            eta = remaining_estimate(finished, [config] + left, matrix.parallel, len(seeds)) if finished else None
-            eta = f", about {eta / 60:.1f} min left" if eta is not None else ""
-        log(f"[{number}/{len(configs)}] {config.id}: starting an engine{eta}")
-        bar = tqdm(total=config.repeats * len(seeds), desc=config.id, unit="run", leave=False,
-                   disable=not progress, file=sys.stderr, position=1 + (number - 1) % matrix.parallel)
-
-        def on_event(event):
-            if event["event"] == "repeat":
-                bar.update(1)
-                overall.update(1)
-            elif event["event"] == "engine_ready":
-                bar.set_postfix_str(f"engine ready in {event['seconds']:.0f} s")
-
-        started_at = now()
-        slot = slots.get()
-        placement = slot_environment(slot, matrix.parallel, probe["platform"])
-        try:
-            outcome = run_child(python, request, logs / f"{paths[seeds[0]].stem}.log", on_event,
-                                interrupted.is_set, placement)
-        finally:
-            slots.put(slot)
-            bar.close()
-        overall.update(config.repeats * len(seeds) - len(outcome.repeats))
-        if not is_baseline and matrix.baseline:
-            baseline_done.wait()  # the comparison needs the baseline's tokens
-            if interrupted.is_set() and not baseline_tokens:
-                raise KeyboardInterrupt(f"{config.id}: not recorded, the baseline failed")
-        records = []
-        for number_in_request, seed in enumerate(seeds):
-            own = replace(outcome, repeats=[r for r in outcome.repeats if r.get("prompt", 0) == number_in_request])
-            results = summarize(own, config, len(prompts[seed]), None if is_baseline else baseline_tokens.get(seed))
-            results["placement"] = placement  # extra environment of this engine (its CPU core), if any
-            record = make_record(config, matrix, request, results, environment, model_label or model, probe, key,
-                                 started_at, content_hash, seed, prompts[seed])
-            write_record(record, paths[seed])
-            records.append(record)
-        with lock:
-            finished.append((outcome, config.repeats * len(seeds)))
-        if outcome.status == "interrupted":
-            interrupted.set()
-            raise KeyboardInterrupt(f"interrupted during {config.id}; its finished repeats are in {paths[seeds[0]]}")
-        if is_baseline:
-            set_baseline(records)
-        stopped = sum(r["results"]["runs_stopped"] for r in records)
-        log(f"    {config.id}: {outcome.status}{'' if records[0]['results']['as_expected'] else ' (not as expected)'}"
-            f", {stopped}/{len(outcome.repeats)} stopped, {outcome.seconds:.0f} s")
-        return records
-
-    if matrix.baseline is None:
-        baseline_done.set()
-    try:
-        with ThreadPoolExecutor(max_workers=matrix.parallel) as pool:
-            futures = {i: pool.submit(run_one, i + 1, configs[i]) for i in start_order(configs, matrix.baseline)}
-            try:
-                return [record for i in range(len(configs)) for record in futures[i].result()]
-            except BaseException:
-                interrupted.set()
-                baseline_done.set()
-                for f in futures.values():
-                    f.cancel()
-                kill_running()  # running engines stop; their finished repeats are recorded
-                raise
-    finally:
-        overall.close()

@@ -121,7 +121,7 @@ def installed_commit(probe: dict) -> str | None:
 
 
 def check_installed(environment: dict, probe: dict) -> None:
-    """A UsageError when the installed vLLM (`probe`: spectie.engines.runner.probe_vllm's) is not the one the
+    """A UsageError when the installed vLLM (`probe`: spectie.engines.checks.probe_vllm's) is not the one the
     environment pins: another release, or another commit, or a commit that cannot be told."""
     env_id, vllm = environment["id"], environment["vllm"]
     version, commit = vllm.get("version"), vllm.get("commit")
@@ -161,7 +161,7 @@ def create_venv(environment: str, wheels: str | Path | None = None, commit: str 
     """.venvs/<environment> with that environment's vLLM (for GPU hosts), checked once installed; returns
     its interpreter. `wheels`, `commit`: see install_commands."""
     from spectie.environments import get_environment
-    from spectie.engines.runner import engine_python, probe_vllm
+    from spectie.engines.checks import engine_python, probe_vllm
 
     env = get_environment(environment)
     python = engine_python(environment)

@@ -1,0 +1,49 @@
+"""The classifier's verdicts on the divergences a vLLM environment wrote, kept as measured records (the guidance
+chapter writes them; the first page reads them instead of classifying again). A recomputation that gives the same
+verdicts, fp32 margins equal within MARGIN_TOLERANCE, leaves the earlier record as it was."""
+
+from __future__ import annotations
+
+
+VERDICTS_KIND = "divergence-verdicts"
+
+
+def write_verdicts(rows: list[dict], engine_records: list[dict], model: str, threshold: float, origin: str,
+                   environment: str, content_hash: str, started_at: str) -> dict:
+    """A measured record of the classifier's verdicts on the divergences a vLLM environment wrote (the
+    rows of `classify_cases` on its `recorded_pairs`): computed on this host, about the engine outputs of
+    `engine_records`' environment, with the band used. The summary reads it instead of classifying again."""
+    from spectie.fingerprint import host_id
+    from spectie.records import measured_path, measured_record, read_if_valid, write_record
+
+    source = engine_records[0]
+    parameters = {"model": model, "engine_environment": source["environments"][0],
+                  "engine_vllm": source["fingerprint"]["vllm"], "engine_device": source["fingerprint"]["gpu"] or "CPU",
+                  "threshold": threshold, "threshold_origin": origin}
+    record = measured_record(
+        record_id=f"{VERDICTS_KIND}-{source['environments'][0]}-{host_id()}".lower(), kind=VERDICTS_KIND,
+        chapter="guidance", environment=environment, parameters=parameters,
+        title=f"Classifier verdicts on vLLM {parameters['engine_vllm']}'s divergences ({parameters['engine_environment']})",
+        results={"rows": [{k: v for k, v in row.items() if k not in ("truth", "right")} for row in rows]},
+        started_at=started_at, content_hash=content_hash, dtype="float32")
+    path = measured_path(record)
+    earlier = read_if_valid(path)  # the same verdicts on the same divergences with the same band: it stands, unchanged
+    if earlier and earlier["parameters"] == record["parameters"] and same_rows(earlier["results"]["rows"],
+                                                                               record["results"]["rows"]):
+        return earlier
+    write_record(record, path)
+    return record
+
+
+MARGIN_TOLERANCE = 1e-4  # logits: fp32 margins move in the 6th decimal with the CPU thread count, nothing else does
+
+
+def same_rows(earlier: list[dict], now: list[dict]) -> bool:
+    """The same verdict rows, fp32 margins equal within MARGIN_TOLERANCE (a recomputation on another number of
+    threads sums in another order; the verdicts and every other field must be identical)."""
+    def close(a, b) -> bool:
+        return a == b or (isinstance(a, float) and isinstance(b, float) and abs(a - b) <= MARGIN_TOLERANCE)
+
+    return len(earlier) == len(now) and all(
+        row.keys() == other.keys() and all(close(row[k], other[k]) if k == "fp32 margin" else row[k] == other[k]
+                                           for k in row) for row, other in zip(earlier, now))

@@ -1,0 +1,228 @@
+"""The guidance chapter's measured sections: the tie-stop survey (ordinary prompts through this host's vLLM, plain
+and speculative: the detector's false positives), the injected truncations (its recall), and the guard (spectie
+guard) through vllm serve with MTP, without it and with it. Each measures only what its records lack.
+
+    guidance_survey.check_arguments(...)                 # every measured section's parameters, before any engine
+    guidance_survey.run_survey(page, prompts, ...)       # then its values: survey_values(page), and so on
+"""
+
+from __future__ import annotations
+
+from spectie import survey
+from spectie.guidance import MIN_FOR_RATE, Page, plural, rate_text
+from spectie.records import load_records, provenance_line, same_weights
+
+NO_SURVEY = "No tie-stop survey is recorded for this model."
+
+
+def check_arguments(survey_prompts: int, injection_tokens: int, guard_prompts: int, guard_tokens: int) -> None:
+    """Every measured section's parameters, checked before any engine starts (UsageError)."""
+    from spectie import guard_measure
+
+    if injection_tokens:
+        survey.check_new_tokens(injection_tokens)
+    if guard_prompts:
+        guard_measure.check_arguments(guard_prompts, guard_tokens)
+
+
+def run_survey(page: Page, prompts: int, configurations: list[str], max_tokens: int) -> None:
+    """The tie-stop survey of `prompts` ordinary prompts through this environment's vLLM (what its records lack)."""
+    from spectie.chapters import current_hash
+    from spectie.model import resolve_model
+
+    survey.run(resolve_model(page.model), page.environment, prompts, configurations,
+               content_hash=current_hash("guidance"), model_label=page.model, max_tokens=max_tokens)
+
+
+def run_injection(page: Page, prompts: int, new_tokens: int) -> None:
+    """End-of-text planted at every output position of `prompts` survey prompts (what its records lack)."""
+    from spectie.chapters import current_hash
+    from spectie.model import resolve_model
+
+    survey.inject(resolve_model(page.model), page.environment, prompts, new_tokens,
+                  content_hash=current_hash("guidance"), model_label=page.model)
+
+
+def run_guard(page: Page, prompts: int, new_tokens: int) -> None:
+    """The survey's prompts through vllm serve (MTP), without and with the guard (what its records lack)."""
+    from spectie import guard_measure
+    from spectie.chapters import current_hash
+    from spectie.model import resolve_model
+
+    guard_measure.measure(resolve_model(page.model), page.environment, prompts, new_tokens,
+                          content_hash=current_hash("guidance"), model_label=page.model)
+
+
+def surveys(page: Page) -> list[dict]:
+    """Every recorded tie-stop survey of these weights (every host's)."""
+    return [r for r in load_records(kind="tiestop-survey") if same_weights(r, page.model)]
+
+
+def survey_row(record: dict, threshold: float) -> dict:
+    """One survey's column of the survey table: where it ran, and its counts at `threshold`."""
+    counts = survey.tally(record, threshold)
+    return {
+        "environment": record["environments"][0], "host": record["fingerprint"]["host_id"],
+        "vLLM": record["results"]["vllm_version"], "prompts": record["parameters"]["prompts"],
+        "configurations": ", ".join(record["results"]["configurations"]), "completions": counts["completions"],
+        "stops": counts["stops"], "ordinary stops": counts["ordinary_stops"],
+        "ordinary flagged (false positives)": counts["ordinary_flagged"], "moved by speculation": counts["moved"],
+        "moved stops": counts["moved_stops"], "moved flagged": counts["moved_flagged"],
+        "moved with a tie where they parted": counts["moved_tie_at_divergence"],
+        "smallest ordinary margin": counts["ordinary_margin_min"]}
+
+
+def survey_values(page: Page) -> dict:
+    """The glue values of the survey section: every survey's counts (a table), this host's survey in figures and
+    words, and its stop margins (a figure)."""
+    import pandas as pd
+
+    from spectie import plots
+    from spectie.guidance import incident_fp32
+
+    recorded = surveys(page)
+    main = survey.this_hosts(recorded, page.environment)
+    counts = survey.tally(main, page.tie_threshold) if main else {}
+    resolution, smallest = counts.get("margin_resolution"), counts.get("ordinary_margin_min")
+    lengths = sorted({n for r in recorded for n in r["parameters"]["prompt_lengths"]})
+    values = {f"survey_{name}": counts.get(name, "—") for name in (
+        "completions", "stops", "ordinary_stops", "ordinary_flagged", "moved", "moved_stops", "moved_flagged",
+        "moved_tie_at_divergence")}
+    values.update({
+        "survey_table": pd.DataFrame([survey_row(r, page.tie_threshold) for r in recorded])
+        .set_index(["environment", "host"]).T.style.format(precision=3, na_rep="—") if recorded else NO_SURVEY,
+        "survey_prompts_n": main["parameters"]["prompts"] if main else 0,
+        "survey_vllm": main["results"]["vllm_version"] if main else "—",
+        "survey_configs": ", ".join(c for c in main["results"]["configurations"] if c != main["parameters"]["baseline"])
+        if main else "—",
+        "survey_environment": main["environments"][0] if main else "—",
+        "survey_verdict": survey_verdict(counts),
+        "survey_fp_text": rate_text(counts["ordinary_flagged"], counts["ordinary_stops"]) if counts else "—",
+        "survey_resolution": f"{resolution:.3f}" if resolution is not None else "—",
+        "survey_min_margin": f"{smallest:.2f}" if smallest is not None else "—",
+        "survey_lengths": f"{lengths[0]} to {lengths[-1]}" if lengths else "—",
+        "survey_provenance": provenance_line(recorded),
+        "survey_figure": plots.stop_margins(
+            survey.margins_by_kind(main), page.tie_threshold,
+            {"incident's stop, fp32 (reported)": incident_fp32(page.reported)["margin"],
+             f"bf16 band, {page.largest['label']}": page.largest["band"]},
+            f"Stop margins of the survey ({page.model}, vLLM {main['results']['vllm_version']}, "
+            f"{main['environments'][0]})") if main else NO_SURVEY})
+    return values
+
+
+def injection_values(page: Page) -> dict:
+    """The glue values of the injected truncations: the detector's rates at its threshold and at the incident's
+    swing, over thresholds (a figure), and where the injections ran."""
+    import numpy as np
+
+    from spectie import plots
+    from spectie.thresholds import reported_swing
+
+    main = survey.this_hosts(surveys(page), page.environment)
+    injection = survey.this_hosts([r for r in load_records(kind=survey.INJECTION_KIND) if same_weights(r, page.model)],
+                                  page.environment)
+    swing, _ = reported_swing()
+    curve = survey.detector_curve(main, injection, sorted({*np.geomspace(0.01, 30, 80).tolist(), page.tie_threshold,
+                                                           swing}))
+    return {
+        "detector_text": detector_text(survey.detector_rates(main, injection, page.tie_threshold), curve),
+        "detector_swing_text": detector_text(survey.detector_rates(main, injection, swing), curve).split(". ")[0],
+        "swing": swing,
+        "injection_prompts": injection["parameters"]["prompts"] if injection else 0,
+        "injection_tokens": injection["parameters"]["new_tokens"] if injection else 0,
+        "injection_dtype": injection["parameters"]["dtype"] if injection else "—",
+        "injection_host": f"{injection['environments'][0]}, host {injection['fingerprint']['host_id']}" if injection
+        else "—",
+        "detector_figure": plots.detector_curve(
+            curve, {f"default with --model {page.model}": page.tie_threshold,
+                    "default without --model (reported swing)": swing},
+            f"The tie-stop detector over thresholds ({page.model})"),
+        "detector_provenance": provenance_line([r for r in (main, injection) if r])}
+
+
+def guard_values(page: Page) -> dict:
+    """The glue values of the guard section: this host's guard survey in words, and where every one came from."""
+    records = [r for r in load_records(kind="guard-survey") if same_weights(r, page.model)]
+    return {"guard_text": guard_sentence(survey.this_hosts(records, page.environment)),
+            "guard_provenance": provenance_line(records) if records else "no record yet"}
+
+
+def survey_verdict(counts: dict) -> str:
+    """What the tie-stop survey says of the detector on this model, in words (from survey.tally)."""
+    if not counts:
+        return "No survey is recorded for this model"
+    stops = plural(counts["ordinary_stops"], "ordinary stop")
+    if not counts["ordinary_stops"]:
+        verdict = ("No completion of the survey ended with an ordinary stop on this model, so the detector's "
+                   "false-positive rate is not measured here")
+    elif not counts["ordinary_flagged"]:
+        verdict = f"On this model the detector flagged none of the {stops}"
+    else:
+        verdict = f"On this model the detector flagged {counts['ordinary_flagged']} of the {stops}"
+    if 0 < counts["ordinary_stops"] < MIN_FOR_RATE:
+        verdict += f" (fewer than {MIN_FOR_RATE}: too few to estimate a rate)"
+    if counts["moved_tie_at_divergence"]:
+        verdict += "; it is blind to ties upstream of the stop, and the classifier (below) is the tool for those"
+    return verdict
+
+
+def detector_text(rates: dict, curve: list[dict]) -> str:
+    """The detector's measured error rates at one threshold (survey.detector_rates), and where along the curve
+    (survey.detector_curve) it would start to catch truncations at confident positions, in words."""
+    if "near-tie planted" not in rates:
+        return "no injected truncations are recorded for this model, so the detector's recall is not measured here"
+    text = (f"it caught {rate_text(rates['near-tie caught'], rates['near-tie planted'])} truncations planted at "
+            f"near-ties and {rate_text(rates['confident caught'], rates['confident planted'])} planted at confident "
+            "positions")
+    if rates.get("ordinary_stops"):
+        text += f", and flagged {rate_text(rates['ordinary_flagged'], rates['ordinary_stops'])} ordinary stops"
+    else:
+        text += "; no ordinary stop was recorded to count false positives on"
+    first = next((r for r in curve if r["confident caught"]), None)
+    if first is not None:
+        text += (f". It would begin to flag truncations at confident positions only from a threshold of "
+                 f"{first['threshold']:.2f} logits")
+        if first.get("ordinary_stops"):
+            text += f", where it would flag {rate_text(first['ordinary_flagged'], first['ordinary_stops'])} ordinary stops"
+    if rates["near-tie caught"] > rates["confident caught"]:
+        text += (". A tie-stop detector finds stops that a computation shape could flip; a stop forced where the "
+                 "model wanted to go on looks like any other stop to it and shows only against plain greedy "
+                 "(spectie classify)")
+    return text
+
+
+def guard_summary(record: dict) -> dict:
+    """The guard's figures from its record (spectie.guard_measure): near-tie stops that reached the client without
+    and with the guard, completions resumed, extra requests, and the guard's time per completion minus the
+    server's alone (median and 95th percentile)."""
+    import numpy as np
+
+    rows = record["results"]["prompts"]
+    added = [row["guarded"]["seconds"] - row["direct"]["seconds"] for row in rows]
+    return {"prompts": len(rows),
+            "near_tie_without": sum(row["direct"]["near_tie_stop"] for row in rows),
+            "near_tie_with": sum(row["guarded"]["near_tie_stop"] for row in rows),
+            "resumed": sum(row["guarded"]["resumed"] > 0 for row in rows),
+            "extra_requests": sum(row["guarded"]["extra_requests"] for row in rows),
+            "added_median_s": float(np.median(added)), "added_p95_s": float(np.percentile(added, 95)),
+            "direct_median_s": float(np.median([row["direct"]["seconds"] for row in rows]))}
+
+
+def guard_sentence(record: dict | None) -> str:
+    """What the guard's record says, in words, with its figures (`guard_summary`); where none is recorded, that it
+    was not run yet and what runs it."""
+    if record is None:
+        return ("The guard has not been measured on this model yet: `make build` measures it on this host "
+                "(the guidance chapter's `guard_prompts`)")
+    s = guard_summary(record)
+    where = f"through vllm serve (vLLM {record['results']['vllm_version']}, {record['results']['backend']}) with MTP"
+    reached = (f"{plural(s['near_tie_without'], 'completion')} of {s['prompts']} ended on a near-tie end-of-text stop "
+               f"without the guard and {s['near_tie_with']} with it")
+    if not s["resumed"]:
+        return f"On the survey's prompts {where}, {reached}: the guard had nothing to resume and added no request"
+    return (f"On the survey's prompts {where}, {reached}; the guard resumed {plural(s['resumed'], 'completion')} "
+            f"with {plural(s['extra_requests'], 'extra request')}, and its time per completion minus the server's "
+            f"alone was {s['added_median_s']:+.2f} s at the median and {s['added_p95_s']:+.2f} s at the 95th "
+            f"percentile (a completion took {s['direct_median_s']:.2f} s without it, on this host)")
+
