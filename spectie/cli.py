@@ -192,7 +192,7 @@ def _cmd_classify(args) -> int:
             print(f"  fp32 margin {result.reference_margin:+.4f}, bf16 margin {result.serving_margin:+.4f}, "
                   f"fp32 ranks {result.rank_a} and {result.rank_b} (its top-1: {result.reference_top1!r}); "
                   f"threshold {result.threshold:.3f} ({result.threshold_origin})")
-    return FINDING if result.verdict == divergence.SUSPECTED_BUG else CHECKED
+    return FINDING if result.verdict == divergence.Verdict.BUG else CHECKED
 
 
 def _cmd_guard(args) -> int:

@@ -19,19 +19,35 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from enum import Enum
 from pathlib import Path
 
 from spectie.errors import UsageError
 
-NEAR_TIE = "numerical near-tie"
-SUSPECTED_BUG = "suspected correctness bug"
-IDENTICAL = "identical"
-NEAR_TIE_LABEL, BUG_LABEL = "near-tie", "bug"  # the same two verdicts as stored in case files and verdict records
+
+class Verdict(str, Enum):
+    """The classifier's verdict on a first divergence, in the tool's words; `label` is how case files and verdict
+    records store it, `short` how a figure marks it."""
+    NEAR_TIE = "numerical near-tie"
+    BUG = "suspected correctness bug"
+    IDENTICAL = "identical"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def label(self) -> str:
+        return {"numerical near-tie": "near-tie", "suspected correctness bug": "bug"}.get(self.value, self.value)
+
+    @property
+    def short(self) -> str:
+        return {"numerical near-tie": "near-tie", "suspected correctness bug": "suspected bug"}.get(self.value,
+                                                                                                   self.value)
 
 
 @dataclass(frozen=True)
 class Divergence:
-    verdict: str  # NEAR_TIE, SUSPECTED_BUG or IDENTICAL
+    verdict: Verdict
     position: int | None  # output token index of the first difference
     token_a: int | None
     token_b: int | None
@@ -226,17 +242,17 @@ def judge(index: int, text_a: str, text_b: str, margin: float, threshold: float,
         head = (f"sequence {stopped} stops at output token {index + 1} where the other goes on (end-of-text against "
                 f"{text_b if stopped == 'a' else text_a!r}, stop against continue); {head}")
     if abs(margin) > threshold:
-        verdict = SUSPECTED_BUG
+        verdict = Verdict.BUG
         explanation = (f"{head} (outside the {threshold:.3f} noise band): a correct computation would not pick "
                        f"{text_a if margin < 0 else text_b!r} there; look for a bug")
     elif outside_a or outside_b:
-        verdict = SUSPECTED_BUG
+        verdict = Verdict.BUG
         name, where = ("a", outside_a) if outside_a else ("b", outside_b)
         explanation = (f"{head} (a near-tie), but sequence {name} later picks, from its own context, tokens that "
                        f"the fp32 reference ranks more than the {threshold:.3f} noise band below its top-1 (first at "
                        f"output token {where[0]['position'] + 1}, {where[0]['gap']:.3f} logits): look for a bug")
     else:
-        verdict = NEAR_TIE
+        verdict = Verdict.NEAR_TIE
         explanation = (f"{head} (within the {threshold:.3f} noise band), and every token of both sequences is within "
                        "the band of fp32's own choice: either is what some correct computation order picks")
     if stop_position is not None and stop_position != index:
@@ -260,7 +276,7 @@ def classify(model: str, prompt_ids: list[int], tokens_a: list[int], tokens_b: l
     path = checked_model(model, prompt_ids, tokens_a, tokens_b, threshold, device, serving_dtype)
     index = first_divergence(tokens_a, tokens_b)
     if index is None:
-        return Divergence(IDENTICAL, None, None, None, None, None, None, None, None, None, None, [], [],
+        return Divergence(Verdict.IDENTICAL, None, None, None, None, None, None, None, None, None, None, [], [],
                           threshold if threshold is not None else float("nan"), "given" if threshold is not None else "",
                           "no divergence: the two sequences are identical")
     eos_ids = end_of_text_ids(path)

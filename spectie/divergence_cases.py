@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from spectie import divergence
-from spectie.divergence import BUG_LABEL, NEAR_TIE, NEAR_TIE_LABEL, SUSPECTED_BUG, pair_from_records
+from spectie.divergence import Verdict, pair_from_records
 from spectie.errors import UsageError
 
 
@@ -150,7 +150,7 @@ def build_cases(model: str = "organism", seeds=CASE_SEEDS, new_tokens: int = CAS
             plain = greedy_generate(loaded, ids, new_tokens, eos).output_ids
             decision = prompt.decisive_output_token - 1
             other = eos[0] if plain[decision] != eos[0] else tokenizer.encode("DATA", add_special_tokens=False)[0]
-            cases.append({"name": f"designed tie, seed {seed}", "label": NEAR_TIE_LABEL, "class": "designed tie",
+            cases.append({"name": f"designed tie, seed {seed}", "label": Verdict.NEAR_TIE.label, "class": "designed tie",
                           "how": "plain greedy against the same text taking the other side of the designed "
                                  "end-of-text/DATA tie (stop against continue)",
                           "prompt_token_ids": ids, "a": plain[:decision] + [other], "b": plain})
@@ -159,7 +159,7 @@ def build_cases(model: str = "organism", seeds=CASE_SEEDS, new_tokens: int = CAS
                 at, token = tie
                 rest = greedy_generate(loaded, ids + plain[:at] + [token], new_tokens - at - 1, eos).output_ids \
                     if at + 1 < new_tokens and token not in eos else []
-                cases.append({"name": f"digit tie, seed {seed}", "label": NEAR_TIE_LABEL, "class": "digit tie",
+                cases.append({"name": f"digit tie, seed {seed}", "label": Verdict.NEAR_TIE.label, "class": "digit tie",
                               "how": "plain greedy against greedy decoding that takes the other side of the first "
                                      f"digit near-tie (fp32's top two, both digits, at most {DIGIT_TIE} logits apart) "
                                      "and goes on", "prompt_token_ids": ids, "a": plain[:at] + [token] + rest,
@@ -171,7 +171,7 @@ def build_cases(model: str = "organism", seeds=CASE_SEEDS, new_tokens: int = CAS
                     log(f"seed {seed}, {bug} from output token {at + 1}: "
                         + ("no divergence" if where is None else f"parts at output token {where + 1}"))
                     if where is not None:
-                        cases.append({"name": f"{bug} from token {at + 1}, seed {seed}", "label": BUG_LABEL,
+                        cases.append({"name": f"{bug} from token {at + 1}, seed {seed}", "label": Verdict.BUG.label,
                                       "class": bug, "how": BUGS[bug], "prompt_token_ids": ids, "a": buggy, "b": plain})
     return cases
 
@@ -234,11 +234,11 @@ def classify_cases(cases: list[dict], model: str = "organism", threshold: float 
     rows = []
     for case in tqdm(cases, desc="classifying", mininterval=2, disable=not progress):
         result = classifier(case["prompt_token_ids"], case["a"], case["b"])
-        called = {NEAR_TIE: NEAR_TIE_LABEL, SUSPECTED_BUG: BUG_LABEL}.get(result.verdict, result.verdict)
+        called = result.verdict.label  # as case files store it
         rows.append({"case": case["name"], "truth": case.get("label"), "class": case["class"], "verdict": called,
                      "right": called == case["label"] if "label" in case else None,
-                     "output token": None if result.position is None else result.position + 1,
-                     "fp32 margin": result.reference_margin, "threshold": result.threshold})
+                     "output_token": None if result.position is None else result.position + 1,
+                     "fp32_margin": result.reference_margin, "threshold": result.threshold})
     return rows
 
 
@@ -248,7 +248,7 @@ def confusion(rows: list[dict]):
 
     table = pd.crosstab(pd.Series([r["truth"] for r in rows], name="truth"),
                         pd.Series([r["verdict"] for r in rows], name="classifier says"))
-    labels = [NEAR_TIE_LABEL, BUG_LABEL]
+    labels = [Verdict.NEAR_TIE.label, Verdict.BUG.label]
     return table.reindex(index=labels, columns=labels, fill_value=0)
 
 

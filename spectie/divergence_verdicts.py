@@ -45,5 +45,5 @@ def same_rows(earlier: list[dict], now: list[dict]) -> bool:
         return a == b or (isinstance(a, float) and isinstance(b, float) and abs(a - b) <= MARGIN_TOLERANCE)
 
     return len(earlier) == len(now) and all(
-        row.keys() == other.keys() and all(close(row[k], other[k]) if k == "fp32 margin" else row[k] == other[k]
+        row.keys() == other.keys() and all(close(row[k], other[k]) if k == "fp32_margin" else row[k] == other[k]
                                            for k in row) for row, other in zip(earlier, now))

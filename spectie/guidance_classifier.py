@@ -69,7 +69,7 @@ def planted_bug(model: str = "organism", prompt_tokens: int = 1845, seed: int = 
 
 
 def classifier_row(name: str, result: divergence.Divergence) -> dict:
-    return {"pair": name, "verdict": result.verdict,
+    return {"pair": name, "verdict": result.verdict.value,
             "first divergence (output token)": None if result.position is None else result.position + 1,
             "tokens (a / b)": f"{result.text_a!r} / {result.text_b!r}", "fp32 margin": result.reference_margin,
             "bf16 margin": result.serving_margin, "a outside the band": len(result.outside_band_a),
@@ -92,7 +92,7 @@ def divergence_positions(results: list[tuple[dict, divergence.Divergence]]) -> s
 
 def suspected_text(results: list[tuple[dict, divergence.Divergence]]) -> str:
     """What the classifier found among recorded vLLM runs that is not a near-tie, in words (for the page)."""
-    suspected = [(record, result) for record, result in results if result.verdict == divergence.SUSPECTED_BUG]
+    suspected = [(record, result) for record, result in results if result.verdict == divergence.Verdict.BUG]
     if not suspected:
         return "no divergence is a suspected bug: every one is a near-tie."
     parts = []
@@ -114,18 +114,18 @@ def classifier_facts(runs: list[dict], results: list[tuple[dict, divergence.Dive
     """The glue values of the divergence classifier on the recorded runs (results from classify_runs) and on the
     planted bug."""
     suspected = [r["parameters"]["configuration"] for r, result in results
-                 if result.verdict == divergence.SUSPECTED_BUG]
+                 if result.verdict == divergence.Verdict.BUG]
     base, changed = changed_completions(runs)
     positions = divergence_positions(results)
     return {
-        "vllm_near_ties": sum(1 for _, result in results if result.verdict == divergence.NEAR_TIE),
+        "vllm_near_ties": sum(1 for _, result in results if result.verdict == divergence.Verdict.NEAR_TIE),
         "vllm_divergences": len(results),
         "vllm_divergence_at": positions,
         "upstream_text": upstream_text(changed, base, positions),
         "suspected_note": "; it calls " + ", ".join(suspected) + " a suspected correctness bug (below)" if suspected
         else "; none is a suspected bug",
         "vllm_suspected": suspected_text(results),
-        "planted_verdict": planted.verdict,
+        "planted_verdict": planted.verdict.value,
         "planted_explanation": planted.explanation,
     }
 
@@ -149,7 +149,7 @@ def classifier_score_text(rows: list[dict]) -> str:
         if not r["right"]:
             missed.setdefault(r["class"], []).append(r)
     if missed:
-        worst = max(abs(r["fp32 margin"]) for group in missed.values() for r in group)
+        worst = max(abs(r["fp32_margin"]) for group in missed.values() for r in group)
         text += (f"; it missed {', '.join(f'{name} ({len(group)})' for name, group in missed.items())}: in each, the "
                  f"planted bug first changed a token where fp32's top two were at most {worst:.3f} logits apart, "
                  f"and every later token stayed within the band, so the output is one a correct engine could write")
@@ -170,10 +170,10 @@ def recorded_verdicts_text(rows: list[dict], widest_band: float) -> str:
     for method, group in by_method.items():
         bugs = [r for r in group if r["verdict"] == "bug"]
         part = f"{method}: {len(bugs)} of {len(group)} called suspected bugs"
-        far = [r for r in bugs if abs(r["fp32 margin"]) > widest_band]
+        far = [r for r in bugs if abs(r["fp32_margin"]) > widest_band]
         if far:
             part += (f", {len(far)} of them at a first divergence whose two tokens fp32 puts "
-                     f"{min(abs(r['fp32 margin']) for r in far):.1f} to {max(abs(r['fp32 margin']) for r in far):.1f} "
+                     f"{min(abs(r['fp32_margin']) for r in far):.1f} to {max(abs(r['fp32_margin']) for r in far):.1f} "
                      f"logits apart, beyond the widest band recorded ({widest_band:.2f})")
         parts.append(part)
     return "; ".join(parts)
@@ -204,6 +204,9 @@ def gpu_verdicts_text(runs: list[dict], rows: list[dict], band: float, band_orig
 
 
 
+HEADERS = {"output_token": "output token", "fp32_margin": "fp32 margin"}  # a verdict row's fields, as a table heads them
+
+
 def run_values(page: Page, classify) -> dict:
     """The glue values of the classifier on this environment's recorded runs and on a planted lost-state bug (its
     table, facts and sentences); `classify` from cached_classifier, so the verdict records reuse each classification."""
@@ -232,13 +235,13 @@ def cases_values(page: Page, classify, ledger: dict) -> dict:
 
     labelled = divergence_cases.read_cases()
     case_rows = divergence_cases.classify_cases(labelled["cases"], labelled["model"], page.threshold)
-    cases = pd.DataFrame(case_rows).drop(columns=["threshold"])
+    cases = pd.DataFrame(case_rows).drop(columns=["threshold"]).rename(columns=HEADERS)
     values = {
         "confusion_table": divergence_cases.confusion(case_rows), "cases_n": len(case_rows),
-        "tie_counts": class_counts([c for c in labelled["cases"] if c["label"] == divergence.NEAR_TIE_LABEL]),
+        "tie_counts": class_counts([c for c in labelled["cases"] if c["label"] == divergence.Verdict.NEAR_TIE.label]),
         "digit_tie": divergence_cases.DIGIT_TIE, "corrupt_at": " and ".join(str(at + 1) for at in divergence_cases.CORRUPT_AT),
         "bug_prompts": len({tuple(c["prompt_token_ids"]) for c in labelled["cases"]
-                            if c["label"] == divergence.BUG_LABEL}),
+                            if c["label"] == divergence.Verdict.BUG.label}),
         "cases_threshold": page.threshold, "classifier_score": classifier_score_text(case_rows),
         "cases_table": cases.assign(right=cases["right"].map(yes_no)).style.format(precision=3).hide(axis="index")}
     started, content_hash = now(), current_hash("guidance")
@@ -257,6 +260,6 @@ def cases_values(page: Page, classify, ledger: dict) -> dict:
         table += [{"environment": environment, **row} for row in rows]
     none = "no GPU record of these weights"
     values["gpu_text"] = Markdown(bullets(texts)) if texts else none
-    values["gpu_table"] = (pd.DataFrame(table).drop(columns=["truth", "right", "threshold"]).style
+    values["gpu_table"] = (pd.DataFrame(table).drop(columns=["truth", "right", "threshold"]).rename(columns=HEADERS).style
                            .format(precision=3).hide(axis="index") if table else none)
     return values

@@ -18,6 +18,7 @@ from spectie.environments import load_environments, release
 from spectie.incident import configuration_label, environment_label, outcome_label
 from spectie.records import model_name
 from spectie.completions import stopped_earlier, tokens_written
+from spectie.divergence import Verdict
 from spectie.engines.runner import root_cause
 
 STATUS_COLOURS = {"unsupported": "#dddddd", "crashed": "#b0b0b0", "interrupted": "#eeeeee"}
@@ -202,8 +203,7 @@ def divergence_verdicts(records: list[dict], threshold: float | None = None) -> 
             continue
         pair = divergence.pair_from_records(r, base)
         result = divergence.classify(r["parameters"]["model"], pair["prompt_token_ids"], pair["a"], pair["b"], threshold)
-        verdicts[r["parameters"]["configuration"]] = ("near-tie" if result.verdict == divergence.NEAR_TIE
-                                                      else "suspected bug")
+        verdicts[r["parameters"]["configuration"]] = result.verdict.short
     return verdicts
 
 
@@ -227,7 +227,7 @@ def repeat_grid(records: list[dict], max_tokens: int, title: str, verdicts: dict
             if col < len(repeats):
                 kind = grid_class(repeats[col], baseline)
                 seen.add(kind)
-                bug = kind != "as plain greedy" and verdicts.get(r["parameters"]["configuration"]) == "suspected bug"
+                bug = kind != "as plain greedy" and verdicts.get(r["parameters"]["configuration"]) == Verdict.BUG.short
                 ax.add_patch(plt.Rectangle((col, row), 1, 1, facecolor=GRID_CLASSES[kind], edgecolor="black",
                                            linewidth=0.5, hatch="xx" if bug else None))
                 ax.text(col + 0.5, row + 0.5, str(tokens_written(repeats[col])), ha="center", va="center",
@@ -243,14 +243,14 @@ def repeat_grid(records: list[dict], max_tokens: int, title: str, verdicts: dict
         verdict = verdicts.get(r["parameters"]["configuration"])
         if verdict:
             ax.text(width + 0.15, row + 0.5, verdict, va="center", fontsize=7,
-                    color="#990000" if verdict == "suspected bug" else "black")
+                    color="#990000" if verdict == Verdict.BUG.short else "black")
     ax.set_xlim(0, width)
     ax.set_ylim(len(runs), 0)
     ax.set_yticks([i + 0.5 for i in range(len(runs))], [r["parameters"]["configuration"] for r in runs], fontsize=8)
     ax.set_xticks([i + 0.5 for i in range(width)], [str(i + 1) for i in range(width)], fontsize=8)
     ax.set_xlabel("repeat (the number: output tokens written, end-of-text not counted)")
     handles = [Patch(facecolor=GRID_CLASSES[k], edgecolor="black", label=k) for k in GRID_CLASSES if k in seen]
-    if "suspected bug" in verdicts.values():
+    if Verdict.BUG.short in verdicts.values():
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="xx", label="classifier: suspected bug"))
     ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01 + (0.12 if verdicts else 0), 1))
     ax.set_title(title)

@@ -49,7 +49,7 @@ def flip_curves(records: list[dict]) -> list[dict]:
 def engine_divergences(records: list[dict]) -> list[dict]:
     """Per divergence-verdicts record and speculative method: the vLLM outputs that parted from plain greedy,
     how many the classifier called near-ties, and the fp32 margins of the others."""
-    from spectie.divergence import NEAR_TIE_LABEL
+    from spectie import divergence
     from spectie.divergence_verdicts import VERDICTS_KIND
 
     rows = []
@@ -59,7 +59,7 @@ def engine_divergences(records: list[dict]) -> list[dict]:
         parameters = record["parameters"]
         for method in sorted({row["class"] for row in record["results"]["rows"]}):
             mine = [row for row in record["results"]["rows"] if row["class"] == method]
-            outside = [row["fp32 margin"] for row in mine if row["verdict"] != NEAR_TIE_LABEL]
+            outside = [row["fp32_margin"] for row in mine if row["verdict"] != divergence.Verdict.NEAR_TIE.label]
             rows.append({"environment": parameters["engine_environment"], "vllm": parameters["engine_vllm"],
                          "device": parameters["engine_device"], "model": parameters["model"], "method": method,
                          "threshold": parameters["threshold"], "divergences": len(mine),

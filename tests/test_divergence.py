@@ -31,7 +31,7 @@ def test_a_planted_state_bug_is_a_suspected_bug(organism_runs):
     prompt, plain, buggy = organism_runs
     assert buggy != plain
     result = divergence.classify("organism", prompt, buggy, plain, threshold=ORGANISM_BAND)
-    assert result.verdict == divergence.SUSPECTED_BUG, result.explanation
+    assert result.verdict == divergence.Verdict.BUG, result.explanation
     assert result.position == first_divergence(buggy, plain)
     assert abs(result.reference_margin) > result.threshold or result.outside_band_a
     assert result.outside_band_a and not result.outside_band_b  # the buggy run strays; plain bf16 does not
@@ -41,7 +41,7 @@ def test_a_planted_state_bug_is_a_suspected_bug(organism_runs):
 def test_identical_sequences_are_said_to_be_identical(organism_runs):
     prompt, plain, _ = organism_runs
     result = divergence.classify("organism", prompt, plain, plain)
-    assert result.verdict == divergence.IDENTICAL and "identical" in result.explanation
+    assert result.verdict == divergence.Verdict.IDENTICAL and "identical" in result.explanation
 
 
 def test_a_stop_where_the_other_run_goes_on_is_a_divergence_at_the_incidents_own_tie(organism_runs):
@@ -60,7 +60,7 @@ def test_a_stop_where_the_other_run_goes_on_is_a_divergence_at_the_incidents_own
     stopped = plain[:at]  # as a run that stopped there and lost nothing else
     result = divergence.classify("organism", prompt, stopped, plain)
     assert result.position == at and result.text_a == "<|endoftext|>" and result.text_b == "DATA"
-    assert result.verdict == divergence.NEAR_TIE, result.explanation
+    assert result.verdict == divergence.Verdict.NEAR_TIE, result.explanation
     assert "sequence a stops at output token" in result.explanation and "stop against continue" in result.explanation
     # The same with EOS returned by the engine (as vLLM does), and with the roles swapped.
     eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
@@ -73,7 +73,7 @@ def classify_command(*args) -> dict:
     result = run_cli("classify", *args, "--json", "--threshold", str(ORGANISM_BAND))
     assert result.returncode in (0, 1), result.stderr
     verdict = json.loads(result.stdout)
-    assert result.returncode == (1 if verdict["verdict"] == divergence.SUSPECTED_BUG else 0)  # a finding exits 1
+    assert result.returncode == (1 if verdict["verdict"] == divergence.Verdict.BUG else 0)  # a finding exits 1
     return verdict
 
 
@@ -96,8 +96,8 @@ def test_stop_against_continue_from_real_vllm_cpu_records(tmp_path):
     path.write_text(json.dumps(pair))
     result = classify_command(str(path))
     assert result["stopped"] == "b" and result["stop_position"] == case["stop_position"]
-    assert result["position"] == case["first_divergence"] and result["verdict"] in (divergence.NEAR_TIE,
-                                                                                      divergence.SUSPECTED_BUG)
+    assert result["position"] == case["first_divergence"] and result["verdict"] in (divergence.Verdict.NEAR_TIE,
+                                                                                      divergence.Verdict.BUG)
     assert f"sequence b later stops (end-of-text at output token {case['stop_position'] + 1})" in result["explanation"]
 
 
@@ -131,7 +131,7 @@ def test_the_command_line_classifies_a_pair_file(organism_runs, tmp_path):
     bug = tmp_path / "bug.json"
     bug.write_text(json.dumps({"prompt_token_ids": prompt, "a": buggy, "b": plain, "model": "organism"}))
     result = run(str(bug), "--json", "--threshold", str(ORGANISM_BAND))
-    assert result.returncode == 1 and json.loads(result.stdout)["verdict"] == divergence.SUSPECTED_BUG
+    assert result.returncode == 1 and json.loads(result.stdout)["verdict"] == divergence.Verdict.BUG
     same = tmp_path / "same.json"
     same.write_text(json.dumps({"prompt_token_ids": prompt, "a": plain, "b": plain}))
     result = run(str(same))
@@ -142,7 +142,7 @@ def test_the_command_line_classifies_a_pair_file(organism_runs, tmp_path):
         "a": {"choices": [{"text": "x", "token_ids": plain, "prompt_token_ids": prompt, "finish_reason": "length"}]},
         "b": {"prompt_token_ids": prompt, "choices": [{"message": {"content": "x"}, "token_ids": plain}]}}))
     result = run(str(served), "--json")
-    assert result.returncode == 0 and json.loads(result.stdout)["verdict"] == divergence.IDENTICAL, result.stderr
+    assert result.returncode == 0 and json.loads(result.stdout)["verdict"] == divergence.Verdict.IDENTICAL, result.stderr
     text_only = tmp_path / "text.json"
     text_only.write_text(json.dumps({"prompt_token_ids": prompt, "a": {"choices": [{"text": "x"}]}, "b": plain}))
     result = run(str(text_only))
@@ -184,10 +184,10 @@ CASES = divergence_cases.read_cases()["cases"]
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
 def test_each_labelled_case_gets_its_label_except_the_known_blind_spots(case):
     [row] = divergence_cases.classify_cases([case], "organism", ORGANISM_BAND)
-    assert row["truth"] == case["label"] and row["output token"] == first_divergence(case["a"], case["b"]) + 1
+    assert row["truth"] == case["label"] and row["output_token"] == first_divergence(case["a"], case["b"]) + 1
     if case["name"] in MISSED_AT_ORGANISM_BAND:
-        assert case["label"] == divergence.BUG_LABEL and row["verdict"] == divergence.NEAR_TIE_LABEL
-        assert abs(row["fp32 margin"]) <= ORGANISM_BAND  # it tipped a near-tie: the blind spot, not a mistake
+        assert case["label"] == divergence.Verdict.BUG.label and row["verdict"] == divergence.Verdict.NEAR_TIE.label
+        assert abs(row["fp32_margin"]) <= ORGANISM_BAND  # it tipped a near-tie: the blind spot, not a mistake
     else:
         assert row["verdict"] == case["label"], row
 
@@ -200,11 +200,11 @@ def test_the_labelled_cases_hold_every_public_class_and_both_labels():
     from spectie.organism import pinned_digest
 
     assert data["model_sha256"] == pinned_digest()  # built on the pinned weights
-    assert {c["class"] for c in CASES if c["label"] == divergence.BUG_LABEL} == set(divergence_cases.BUGS)
+    assert {c["class"] for c in CASES if c["label"] == divergence.Verdict.BUG.label} == set(divergence_cases.BUGS)
     designed = [c for c in CASES if c["class"] == "designed tie"]
     digits = [c for c in CASES if c["class"] == "digit tie"]
     assert len(designed) == len(digits) == len(divergence_cases.TIE_SEEDS)
-    assert {c["label"] for c in designed + digits} == {divergence.NEAR_TIE_LABEL}
+    assert {c["label"] for c in designed + digits} == {divergence.Verdict.NEAR_TIE.label}
     for case in designed:  # stop against continue at the designed decision, the incident's shape
         index = first_divergence(case["a"], case["b"])
         assert index == len(case["a"]) - 1 and 248044 in (case["a"][index], case["b"][index])
@@ -252,9 +252,9 @@ def test_a_shared_prompt_state_scores_as_one_forward_over_the_whole_sequence():
 
 
 def test_verdicts_recomputed_on_another_thread_count_leave_the_record_as_it_was():
-    row = {"case": "mtp-v1-k1 vs plain, seed 1", "class": "mtp", "fp32 margin": -0.008138656616210938,
-           "output token": 12, "threshold": 0.118, "verdict": "near-tie"}
-    assert divergence_verdicts.same_rows([row], [{**row, "fp32 margin": -0.008136749267578125}])  # seen: 2e-6 apart
-    assert not divergence_verdicts.same_rows([row], [{**row, "fp32 margin": -0.0092}])
+    row = {"case": "mtp-v1-k1 vs plain, seed 1", "class": "mtp", "fp32_margin": -0.008138656616210938,
+           "output_token": 12, "threshold": 0.118, "verdict": "near-tie"}
+    assert divergence_verdicts.same_rows([row], [{**row, "fp32_margin": -0.008136749267578125}])  # seen: 2e-6 apart
+    assert not divergence_verdicts.same_rows([row], [{**row, "fp32_margin": -0.0092}])
     assert not divergence_verdicts.same_rows([row], [{**row, "verdict": "suspected bug"}])
     assert not divergence_verdicts.same_rows([row], [row, row])

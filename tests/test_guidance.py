@@ -57,19 +57,19 @@ def test_the_computed_sentences_say_what_the_records_say():
 
 def test_the_classifier_scores_and_real_verdicts_are_told_from_their_rows():
     rows = [{"case": "tie 0", "truth": "near-tie", "class": "designed tie", "verdict": "near-tie", "right": True,
-             "fp32 margin": 0.01},
+             "fp32_margin": 0.01},
             {"case": "tie 1", "truth": "near-tie", "class": "designed tie", "verdict": "bug", "right": False,
-             "fp32 margin": 0.5},
-            {"case": "gate", "truth": "bug", "class": "gate-shift", "verdict": "bug", "right": True, "fp32 margin": -6.0},
+             "fp32_margin": 0.5},
+            {"case": "gate", "truth": "bug", "class": "gate-shift", "verdict": "bug", "right": True, "fp32_margin": -6.0},
             {"case": "lost", "truth": "bug", "class": "lost-state", "verdict": "near-tie", "right": False,
-             "fp32 margin": -0.07}]
+             "fp32_margin": -0.07}]
     text = guidance_classifier.classifier_score_text(rows)
     assert text.startswith("it called 1 of 2 near-ties near-ties and caught 1 of 2 planted bugs; it missed "
                            "lost-state (1): in each, the planted bug first changed a token where fp32's top two were "
                            "at most 0.070 logits apart")
     assert text.endswith("; it called 1 near-tie(s) suspected bugs (tie 1)")
-    real = [{"class": "ngram_gpu", "verdict": "bug", "fp32 margin": -25.8}, {"class": "ngram_gpu", "verdict": "bug",
-             "fp32 margin": 0.09}, {"class": "mtp", "verdict": "near-tie", "fp32 margin": 0.01}]
+    real = [{"class": "ngram_gpu", "verdict": "bug", "fp32_margin": -25.8}, {"class": "ngram_gpu", "verdict": "bug",
+             "fp32_margin": 0.09}, {"class": "mtp", "verdict": "near-tie", "fp32_margin": 0.01}]
     assert guidance_classifier.recorded_verdicts_text(real, 0.74) == (
         "ngram_gpu: 2 of 2 called suspected bugs, 1 of them at a first divergence whose two tokens fp32 puts 25.8 "
         "to 25.8 logits apart, beyond the widest band recorded (0.74); mtp: 0 of 1 called suspected bugs")
@@ -176,7 +176,7 @@ def _fake_classify(monkeypatch):
     def classify(model, prompt_ids, tokens_a, tokens_b, threshold=None):
         calls.append((model, list(tokens_a), list(tokens_b), threshold))
         at = next(i for i, (x, y) in enumerate(zip(tokens_a + [None], tokens_b + [None])) if x != y)
-        return _verdict(divergence.SUSPECTED_BUG if len(tokens_a) > len(tokens_b) else divergence.NEAR_TIE, at)
+        return _verdict(divergence.Verdict.BUG if len(tokens_a) > len(tokens_b) else divergence.Verdict.NEAR_TIE, at)
 
     monkeypatch.setattr(divergence, "classify", classify)
     return calls
@@ -200,7 +200,7 @@ def test_each_divergence_is_classified_once_and_feeds_the_tables_and_the_verdict
     assert len(calls) == 2
     assert rows == divergence_cases.classify_cases(pairs, "organism", 0.1, progress=False)  # the same as classifying anew
     assert len(calls) == 3
-    assert [(r["case"], r["class"], r["verdict"], r["output token"]) for r in rows] == \
+    assert [(r["case"], r["class"], r["verdict"], r["output_token"]) for r in rows] == \
         [("mtp-k8 vs plain, seed 0", "mtp", "near-tie", 4)]  # ngram parts at the same position: counted once
     assert rows[0]["truth"] is None and rows[0]["right"] is None
     labelled = divergence_cases.classify_cases([dict(pairs[0], label="bug")], classifier=classify, progress=False)
@@ -212,9 +212,9 @@ def test_classifier_rows_and_facts_are_told_from_the_verdicts():
 
     runs = _runs()
     by_name = {r["parameters"]["configuration"]: r for r in runs}
-    results = [(by_name["mtp-k8"], _verdict(divergence.NEAR_TIE, 3)),
-               (by_name["ngram"], _verdict(divergence.SUSPECTED_BUG, 11, outside_a=[{"position": 4, "gap": 6.5}]))]
-    planted = _verdict(divergence.SUSPECTED_BUG, 0, margin=-7.0)
+    results = [(by_name["mtp-k8"], _verdict(divergence.Verdict.NEAR_TIE, 3)),
+               (by_name["ngram"], _verdict(divergence.Verdict.BUG, 11, outside_a=[{"position": 4, "gap": 6.5}]))]
+    planted = _verdict(divergence.Verdict.BUG, 0, margin=-7.0)
     rows = guidance_classifier.classifier_rows(results, planted)
     assert [(r["pair"], r["first divergence (output token)"]) for r in rows] == [
         ("mtp-k8 vs plain (vLLM)", 4), ("ngram vs plain (vLLM)", 12),
@@ -228,7 +228,7 @@ def test_classifier_rows_and_facts_are_told_from_the_verdicts():
     assert facts["upstream_text"].startswith("Where speculation changed the organism's completion, speculative and "
                                              "plain decoding first part at output token 4, 12 (below)")
     assert (facts["planted_verdict"], facts["planted_explanation"]) == \
-        (divergence.SUSPECTED_BUG, "suspected correctness bug at 0")
+        (divergence.Verdict.BUG, "suspected correctness bug at 0")
     none = guidance_classifier.classifier_facts(runs, results[:1], planted)
     assert none["suspected_note"] == "; none is a suspected bug"
 

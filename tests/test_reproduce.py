@@ -367,7 +367,7 @@ def test_the_builds_vllm_cpu_records_of_plain_and_mtp_on_the_organism(built):
     assert (pair["a"] != pair["b"]) is (parted is not None)
     if parted is not None:
         row = rows["mtp-k1 vs plain, seed 0"]
-        assert row["output token"] == parted + 1 and row["verdict"] == divergence.NEAR_TIE_LABEL, row
+        assert row["output_token"] == parted + 1 and row["verdict"] == divergence.Verdict.NEAR_TIE.label, row
     else:
         assert "mtp-k1 vs plain, seed 0" not in rows
 

@@ -5,7 +5,7 @@ import copy
 import pytest
 
 from spectie import pages, summary
-from spectie.divergence import BUG_LABEL, NEAR_TIE_LABEL
+from spectie.divergence import Verdict
 from spectie.divergence_verdicts import VERDICTS_KIND
 from spectie.environments import load_environments
 from spectie.records import load_records, validate_record
@@ -18,8 +18,8 @@ def reported():
 
 def verdicts_record(method_verdicts: dict[str, list[tuple[str, float]]]) -> dict:
     """A divergence-verdicts record as the guidance chapter writes it (validated against the schema)."""
-    rows = [{"case": f"{method}-k1 vs plain, seed {n}", "class": method, "verdict": verdict, "output token": 12,
-             "fp32 margin": margin, "threshold": 0.1}
+    rows = [{"case": f"{method}-k1 vs plain, seed {n}", "class": method, "verdict": verdict, "output_token": 12,
+             "fp32_margin": margin, "threshold": 0.1}
             for method, pairs in method_verdicts.items() for n, (verdict, margin) in enumerate(pairs)]
     record = {"schema_version": 1, "id": "divergence-verdicts-v0-26-0-h200-x", "provenance": "measured",
               "kind": VERDICTS_KIND, "chapter": "guidance", "title": "t", "environments": ["cpu"],
@@ -43,7 +43,7 @@ def test_the_incidents_reference_is_a_near_tie_by_its_own_numbers(reported):
 
 def test_the_verdict_follows_the_records(reported):
     envs = load_environments()
-    mechanism = verdicts_record({"mtp": [(NEAR_TIE_LABEL, 0.0)] * 3, "ngram_gpu": [(BUG_LABEL, -17.1), (BUG_LABEL, -25.9)]})
+    mechanism = verdicts_record({"mtp": [(Verdict.NEAR_TIE.label, 0.0)] * 3, "ngram_gpu": [(Verdict.BUG.label, -17.1), (Verdict.BUG.label, -25.9)]})
     full = summary.verdict(reported + [mechanism], envs)
     assert full.answer == summary.NEAR_TIE and full.strength == summary.MODERATE
     assert any("speculation by mtp through vLLM 0.26.0" in line and "all 3 of its divergences" in line
@@ -144,7 +144,7 @@ def test_the_first_page_states_each_gpu_release_from_its_records():
             r["results"]["repeats"][0]["same_as_baseline"] = False
         if r["environments"][0] == "v0.32.0-h100" and p["configuration"] == "mtp-v2-k1" and p["prompt_seed"] == 1:
             r["results"]["repeats"] = [dict(x, finish_reason="length", output_tokens=96) for x in r["results"]["repeats"]]
-    bug = verdicts_record({"ngram_gpu": [(BUG_LABEL, -20.5)]})
+    bug = verdicts_record({"ngram_gpu": [(Verdict.BUG.label, -20.5)]})
     bug["parameters"].update(engine_environment="v0.32.0-h100", engine_vllm="0.32.0")
     turned = summary.gpu_findings(changed + [bug], ledger)[1]
     assert "ngram_gpu (K = 1, 6, 7, 8) wrote plain greedy's tokens in 319 of 320 generations" in turned
@@ -160,7 +160,7 @@ def test_the_first_page_states_each_gpu_release_from_its_records():
 
 def test_the_first_page_says_why_the_incidents_margin_is_a_tie(reported):
     envs = load_environments()
-    mechanism = verdicts_record({"mtp": [(NEAR_TIE_LABEL, 0.0)] * 3})
+    mechanism = verdicts_record({"mtp": [(Verdict.NEAR_TIE.label, 0.0)] * 3})
     note = summary.verdict(reported + [mechanism], envs).tie_note
     assert note.startswith("Why a margin of 0.67 logits counts as a tie: the thresholds the classifier used here (0.12 "
                            "logits) are the organism's")
@@ -199,8 +199,8 @@ def test_the_incidents_ngram_gpu_release_is_read_against_its_measured_run(report
     verdicts = {"kind": "divergence-verdicts", "provenance": "measured", "environments": ["cpu"],
                 "parameters": {"engine_environment": "v0.31.0-h100", "engine_vllm": "0.31.0",
                                "engine_device": "NVIDIA H100 80GB HBM3", "model": "organism", "threshold": 0.118},
-                "results": {"rows": [{"class": "ngram_gpu", "verdict": "bug", "fp32 margin": -20.5},
-                                     {"class": "ngram_gpu", "verdict": "near-tie", "fp32 margin": 0.01}]}}
+                "results": {"rows": [{"class": "ngram_gpu", "verdict": "bug", "fp32_margin": -20.5},
+                                     {"class": "ngram_gpu", "verdict": "near-tie", "fp32_margin": 0.01}]}}
     text = summary.incident_ngram_text(reported + [verdicts], ledger_record())
     assert ("ran vLLM 0.31.0, in which the fix ledger finds none of the #39273 fixes; on the organism, ngram_gpu of "
             "that release (v0.31.0-h100, measured) wrote tokens outside the noise band: the classifier calls 1 of its "
