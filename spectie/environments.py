@@ -89,6 +89,13 @@ def check_record_environments(records: list[dict]) -> list[str]:
     ]
 
 
+def require_described(records: list[dict]) -> None:
+    """A UsageError naming every record whose environment no file in environments/ describes (a page stops there)."""
+    problems = check_record_environments(records)
+    if problems:
+        raise UsageError("records name environments that environments/ does not describe:\n" + "\n".join(problems))
+
+
 def environments_table(records: list[dict]):
     """One row per environment: what it is, how to install it, and its status from the records."""
     import pandas as pd
@@ -119,9 +126,7 @@ def page_values(records: list[dict]) -> dict:
 
     from spectie.records import provenance_line
 
-    problems = check_record_environments(records)
-    if problems:
-        raise UsageError("records name environments that environments/ does not describe:\n" + "\n".join(problems))
+    require_described(records)
     table = environments_table(records)
     counts = Counter(r["provenance"] for r in records)
     return {"environments_table": table.reset_index().style.hide(axis="index"),  # cells whole, not cut

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from spectie import thresholds, tiestop
 from spectie.completions import stopped_earlier, tokens_written
+from spectie.incident import fp32_row, logit_comparison
 
 
 def detector_rows(records: list[dict], threshold: float) -> list[dict]:
@@ -198,16 +199,10 @@ def recorded_runs(model: str, environment: str) -> list[dict]:
     return one_run(model_records(model, chapter="reproduce", kind="engine-outcome"), environment)
 
 
-def incident_fp32(reported: list[dict]) -> dict:
-    """The fp32 row of the incident's reported logit comparison at its stop (margin, winner)."""
-    logits = next(r for r in reported if r["kind"] == "logit-comparison")
-    return next(row for row in logits["results"]["rows"] if row["dtype"] in ("fp32", "float32"))
-
-
 def incident_flag_text(reported: list[dict]) -> str:
     """Whether the detector would flag the incident's fp32 stop at the incident's own fp32-to-bf16 swing, in words."""
-    swing, _ = thresholds.reported_swing(next(r for r in reported if r["kind"] == "logit-comparison"))
-    if tiestop.is_near_tie(incident_fp32(reported)["margin"], swing):
+    swing, _ = thresholds.reported_swing(logit_comparison(reported))
+    if tiestop.is_near_tie(fp32_row(reported)["margin"], swing):
         return (f"inside the incident's own fp32-to-bf16 swing of {swing:.2f} logits, the threshold the detector "
                 "uses when no band is recorded for a model: it would flag it")
     return f"outside the incident's own fp32-to-bf16 swing of {swing:.2f} logits: the detector would not flag it"
@@ -365,7 +360,7 @@ def evidence_values(page: Page) -> dict:
     margins = [r for r in model_records(page.model, chapter="margins", kind="logit-comparison", provenance="measured")
                if r["environments"] == [page.environment]]
     return {
-        "incident_margin": incident_fp32(page.reported)["margin"], "incident_flag_text": incident_flag_text(page.reported),
+        "incident_margin": fp32_row(page.reported)["margin"], "incident_flag_text": incident_flag_text(page.reported),
         "threshold": page.threshold, "threshold_origin": page.origin, "tie_threshold": page.tie_threshold,
         "tie_threshold_origin": page.tie_origin, "largest_label": page.largest["label"],
         "largest_band": page.largest["band"], "largest_order": page.largest["order"],

@@ -55,7 +55,7 @@ def run_guard(page: Page, prompts: int, new_tokens: int) -> None:
 
 def surveys(page: Page) -> list[dict]:
     """Every recorded tie-stop survey of these weights (every host's)."""
-    return [r for r in load_records(kind="tiestop-survey") if same_weights(r, page.model)]
+    return [r for r in load_records(chapter=survey.CHAPTER, kind="tiestop-survey") if same_weights(r, page.model)]
 
 
 def survey_row(record: dict, threshold: float) -> dict:
@@ -78,7 +78,7 @@ def survey_values(page: Page) -> dict:
     import pandas as pd
 
     from spectie import plots
-    from spectie.guidance import incident_fp32
+    from spectie.incident import fp32_row
 
     recorded = surveys(page)
     main = survey.this_hosts(recorded, page.environment)
@@ -104,7 +104,7 @@ def survey_values(page: Page) -> dict:
         "survey_provenance": provenance_line(recorded),
         "survey_figure": plots.stop_margins(
             survey.margins_by_kind(main), page.tie_threshold,
-            {"incident's stop, fp32 (reported)": incident_fp32(page.reported)["margin"],
+            {"incident's stop, fp32 (reported)": fp32_row(page.reported)["margin"],
              f"bf16 band, {page.largest['label']}": page.largest["band"]},
             f"Stop margins of the survey ({page.model}, vLLM {main['results']['vllm_version']}, "
             f"{main['environments'][0]})") if main else NO_SURVEY})
@@ -120,8 +120,8 @@ def injection_values(page: Page) -> dict:
     from spectie.thresholds import reported_swing
 
     main = survey.this_hosts(surveys(page), page.environment)
-    injection = survey.this_hosts([r for r in load_records(kind=survey.INJECTION_KIND) if same_weights(r, page.model)],
-                                  page.environment)
+    injections = load_records(chapter=survey.CHAPTER, kind=survey.INJECTION_KIND)
+    injection = survey.this_hosts([r for r in injections if same_weights(r, page.model)], page.environment)
     swing, _ = reported_swing()
     curve = survey.detector_curve(main, injection, sorted({*np.geomspace(0.01, 30, 80).tolist(), page.tie_threshold,
                                                            swing}))
@@ -143,7 +143,7 @@ def injection_values(page: Page) -> dict:
 
 def guard_values(page: Page) -> dict:
     """The glue values of the guard section: this host's guard survey in words, and where every one came from."""
-    records = [r for r in load_records(kind="guard-survey") if same_weights(r, page.model)]
+    records = [r for r in load_records(chapter=survey.CHAPTER, kind="guard-survey") if same_weights(r, page.model)]
     return {"guard_text": guard_sentence(survey.this_hosts(records, page.environment)),
             "guard_provenance": provenance_line(records) if records else "no record yet"}
 

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from spectie import memory
 from spectie.errors import UsageError
 from spectie.fingerprint import gpus
+from spectie.memory import GIB
 
-GIB = 2**30
 MODEL_DTYPE = {"reproduce": "bfloat16"}  # vLLM serves the checkpoint's bf16; the others compute fp32 references
 
 
@@ -48,14 +49,14 @@ def model_parameters(model: str) -> int:
 def memory_needed(model: str, dtype: str) -> int:
     """Bytes to hold `model` (the organism, a random-weight shape, a folder or a cached hub id) in `dtype`: the
     project's one estimate (spectie.memory) over the model's parameters, counted from its files or config."""
-    from spectie import memory, qwen_shapes
+    from spectie import qwen_shapes
 
     return memory.needed(model_parameters(model), dtype, built_in_float32=qwen_shapes.is_shape(model))
 
 
 def check_fits(model: str, dtypes: list[str], device: str) -> None:
     """Refuse, before anything is loaded or built, a precision whose model cannot fit, saying what it needs."""
-    from spectie import memory, qwen_shapes
+    from spectie import qwen_shapes
 
     memory.check_fits(model, model_parameters(model), dtypes, device, built_in_float32=qwen_shapes.is_shape(model))
 
@@ -143,8 +144,6 @@ def _memory(chapter: str, model, found: list, device: str) -> tuple[str | None, 
     """What the model needs against what is free where it will live: (the line, or the problem), or (None, False)."""
     if model is None:
         return None, False
-    from spectie import memory
-
     dtype = MODEL_DTYPE.get(chapter, "float32")
     need = memory_needed(str(model), dtype)
     free, where = memory.free("cuda" if chapter == "reproduce" else device, found)  # vLLM serves on the GPU

@@ -106,6 +106,16 @@ def style_matrix(matrix: pd.DataFrame):
             .set_table_attributes('class="outcome-matrix"'))
 
 
+def logit_comparison(reported: list[dict]) -> dict:
+    """The incident's reported logit comparison at its stop (fp32 and bf16 transformers references)."""
+    return next(r for r in reported if r["kind"] == "logit-comparison")
+
+
+def fp32_row(reported: list[dict]) -> dict:
+    """The fp32 row of the incident's reported logit comparison (margin, winner, logits)."""
+    return next(row for row in logit_comparison(reported)["results"]["rows"] if row["dtype"] in ("fp32", "float32"))
+
+
 def logit_table(record: dict) -> pd.DataFrame:
     """The fp32/bf16 logit comparison of a logit-comparison record, one row per dtype."""
     results = record["results"]

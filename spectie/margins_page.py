@@ -97,7 +97,9 @@ def flip_values(recorded: dict, setup: MarginsSetup, model: str) -> dict:
 
 def incident_values(reported: list[dict]) -> dict:
     """The incident's reported logits on the bf16 grid: margins in bf16 steps (a figure)."""
-    incident = next(r for r in reported if r["kind"] == "logit-comparison")
+    from spectie.incident import logit_comparison
+
+    incident = logit_comparison(reported)
     rows = {row["dtype"]: row for row in incident["results"]["rows"]}
     spacing = bf16_spacing(rows["fp32"]["logits"]["EOS"])
     values = {"spacing_16": spacing, "incident_position": incident["results"]["position"],

@@ -11,7 +11,9 @@ from __future__ import annotations
 import pandas as pd
 
 from spectie import bands, host, plots, qwen_shapes, reduction_order
+from spectie.incident import fp32_row
 from spectie.margins import flip_curve
+from spectie.memory import GIB
 from spectie.records import provenance_line
 
 MARGIN_EDGES = [0, 0.01, 0.03, 0.1, 0.3, 1, 3, 10, 100]  # fp32-margin bins of the flip curves
@@ -42,12 +44,6 @@ def run_values(record: dict, kernels: list[str], tf32: list[bool]) -> dict:
         "boxes": plots.margin_shift_boxes(rows, reduction_order.BAND_QUANTILE, "margin moves per shape (this run)"),
         "flips": plots.flip_probability_by_shape(curves, "bf16: flip probability by the fp32 margin (this run)"),
         "run_provenance": provenance_line([record])}
-
-
-def incident_fp32(reported: list[dict]) -> dict:
-    """The fp32 row of the incident's reported logit comparison."""
-    incident = next(r for r in reported if r["kind"] == "logit-comparison")
-    return next(row for row in incident["results"]["rows"] if row["dtype"] in ("fp32", "float32"))
 
 
 def band_table(points: list[dict]):
@@ -82,7 +78,7 @@ def spread_values(points: list[dict], incident: dict, records: list[dict]) -> di
 def records_values(records: list[dict], reported: list[dict]) -> dict:
     """Every recorded sweep: the band per model, precision and kernels (a figure and tables), the widest bf16 band
     against the incident's margin, the bands' growth over the random-weight shapes, and flips pooled per model."""
-    incident = incident_fp32(reported)
+    incident = fp32_row(reported)
     points = bands.band_points(records)
     default_spread = [p for p in points if p["logit_std"] in (None, qwen_shapes.DEFAULT_LOGIT_STD)]
     shape_bands = sorted((p for p in default_spread if p["dtype"] == "bfloat16" and not p["tf32"]
@@ -106,7 +102,7 @@ def records_values(records: list[dict], reported: list[dict]) -> dict:
         "shape_growth": " → ".join(f"{p['band']:.2f} ({p['label'].split(' (')[0].replace('qwen3.5-', '')})"
                                    for p in shape_bands) or "no random-weight shape recorded",
         "shape_logit_std": " or ".join(f"{std:g}" for std in stds),
-        "gib_9b_fp32": host.memory_needed("qwen3.5-9b-shape", "float32") / 2**30,
+        "gib_9b_fp32": host.memory_needed("qwen3.5-9b-shape", "float32") / GIB,
         "pooled_flips": plots.flip_probability_by_shape(pooled, "bf16, every shape pooled: flip probability per model"),
         "records_provenance": provenance_line(records)}
 

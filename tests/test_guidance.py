@@ -1,6 +1,6 @@
 """The guidance chapter's wording helpers, on hand-made rows (the chapter itself is tested in test_book)."""
 
-from spectie import guidance, guidance_classifier, guidance_survey
+from spectie import guidance, guidance_classifier, guidance_survey, incident
 
 
 def _rows(**counts):
@@ -242,7 +242,7 @@ def test_the_incident_is_read_from_its_reported_logits():
     reported = [{"id": "b200-k7", "kind": "engine-outcome"},
                 _logits({"margin": 0.67, "winner": "EOS", "logits": {"DATA": 15.8, "EOS": 16.47}},
                         {"margin": 0.69, "winner": "DATA", "logits": {"DATA": 16.5, "EOS": 15.81}})]
-    assert guidance.incident_fp32(reported)["margin"] == 0.67
+    assert incident.fp32_row(reported)["margin"] == 0.67
     assert guidance.incident_flag_text(reported) == (
         "inside the incident's own fp32-to-bf16 swing of 1.36 logits, the threshold the detector uses when no band is "
         "recorded for a model: it would flag it")

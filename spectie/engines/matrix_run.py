@@ -74,8 +74,8 @@ class MatrixRun:
             raise UsageError("the matrix needs at least one prompt")
         self.matrix, self.model, self.prompts, self.environment = matrix, model, prompts, environment
         self.probe, self.content_hash, self.extra_engine = probe, content_hash, extra_engine
-        self.label, self.resume, self.progress, self.results_dir, self.log = (model_label or model, resume, progress,
-                                                                              results_dir, log)
+        self.label = model_label or model  # how records name the model (a random-weight checkpoint by shape and seed)
+        self.resume, self.progress, self.results_dir, self.log = resume, progress, results_dir, log
         self.seeds, self.configs = list(prompts), list(matrix.configs)
         self.python = engine_python(environment)
         self.logs = project_root() / "_build" / "logs" / CHAPTER
