@@ -16,19 +16,13 @@ from pathlib import Path
 
 import jsonschema
 
-from spectie.errors import UsageError
 from spectie.paths import project_root
+from spectie.record_types import Record, RecordError
+
+__all__ = ["Record", "RecordError"]  # with the functions below
 
 SCHEMA_PATH = Path(__file__).with_name("record.schema.json")
 RECORD_SUFFIX = ".json"
-
-
-class RecordError(UsageError):
-    """A record that does not satisfy the schema; names the file and the field."""
-
-    def __init__(self, where: str, field: str, problem: str):
-        self.where, self.field, self.problem = where, field, problem
-        super().__init__(f"{where}: field '{field}': {problem}")
 
 
 @lru_cache(maxsize=1)
@@ -122,8 +116,13 @@ def measured_path(record: dict, results_dir: str | os.PathLike | None = None) ->
     return results_dir / "measured" / host / record["chapter"] / f"{record['id']}{RECORD_SUFFIX}"
 
 
-def read_record(path: str | os.PathLike) -> dict:
+def read_record(path: str | os.PathLike) -> Record:
     """Read and validate one record; a broken file raises RecordError naming it and the field."""
+    return Record.from_dict(read_stored(path), where=str(path))
+
+
+def read_stored(path: str | os.PathLike) -> dict:
+    """One record as stored (a JSON object), validated against the schema: what writers copy and amend."""
     path = Path(path)
     if not path.is_file():
         raise RecordError(str(path), "(file)", "no such file")
@@ -134,7 +133,7 @@ def read_record(path: str | os.PathLike) -> dict:
     return validate_record(record, where=str(path))
 
 
-def read_if_valid(path: str | os.PathLike) -> dict | None:
+def read_if_valid(path: str | os.PathLike) -> Record | None:
     """The record at `path`, or None where there is none or it is not a valid record (what is made again then)."""
     path = Path(path)
     try:
@@ -143,13 +142,13 @@ def read_if_valid(path: str | os.PathLike) -> dict | None:
         return None
 
 
-def recorded_measurement(path: str | os.PathLike, key: str) -> dict | None:
+def recorded_measurement(path: str | os.PathLike, key: str) -> Record | None:
     """The record at `path` if it holds the measurement `key` names (`fingerprint.measurement_key`) and finished:
     what a build reuses instead of measuring again. None if there is none, it is unreadable, or it holds another."""
     record = read_if_valid(path)
-    if record is None or record["parameters"].get("measurement_key") != key:
+    if record is None or record.parameters.measurement_key != key:
         return None
-    return None if record["results"].get("status") == "interrupted" else record
+    return None if getattr(record.results, "status", None) == "interrupted" else record
 
 
 def record_paths(results_dir: str | os.PathLike | None = None, chapter: str | None = None,
@@ -177,30 +176,31 @@ def misplaced(record: dict, path: Path, results_dir: Path) -> str | None:
 
 
 def check_records(results_dir: str | os.PathLike | None = None, chapter: str | None = None,
-                  provenance: str | None = None) -> tuple[list[dict], list[RecordError]]:
+                  provenance: str | None = None) -> tuple[list[Record], list[RecordError]]:
     """Read every record file under results/ (or those of one chapter or provenance, `record_paths`); return the
     valid records and every problem found."""
     results_dir = Path(results_dir) if results_dir else project_root() / "results"
     records, problems, seen = [], [], {}
     for path in record_paths(results_dir, chapter, provenance):
         try:
-            record = read_record(path)
+            stored = read_stored(path)
+            record = Record.from_dict(stored, where=str(path))
         except RecordError as exc:
             problems.append(exc)
             continue
-        if record["id"] in seen:
-            problems.append(RecordError(str(path), "id", f"{record['id']!r} is also used by {seen[record['id']]}"))
+        if record.id in seen:
+            problems.append(RecordError(str(path), "id", f"{record.id!r} is also used by {seen[record.id]}"))
             continue
-        where = misplaced(record, path, results_dir)
+        where = misplaced(stored, path, results_dir)
         if where:
             problems.append(RecordError(str(path), "(file)", where))
             continue
-        seen[record["id"]] = path
+        seen[record.id] = path
         records.append(record)
     return records, problems
 
 
-def load_records(results_dir: str | os.PathLike | None = None, **match) -> list[dict]:
+def load_records(results_dir: str | os.PathLike | None = None, **match) -> list[Record]:
     """All records under results/, validated, optionally filtered by top-level fields (e.g. chapter=...). A chapter
     or a provenance is looked for only where such records live (`record_paths`).
 
@@ -210,15 +210,15 @@ def load_records(results_dir: str | os.PathLike | None = None, **match) -> list[
     records, problems = check_records(results_dir, **narrow)
     if problems:
         raise problems[0]
-    return [r for r in records if all(r.get(key) == value for key, value in match.items())]
+    return [r for r in records if all(getattr(r, key) == value for key, value in match.items())]
 
 
-def model_name(record: dict) -> str:
+def model_name(record: Record) -> str:
     """The record's model with the digest of its weights where recorded. A record of the organism whose
     digest is not the pinned one was made with another organism (before the organism was pinned, each
     machine trained its own): it is labelled as such, wherever it is shown."""
-    model = record["parameters"]["model"]
-    digest = record.get("fingerprint", {}).get("model_sha256")
+    model = record.parameters.model
+    digest = record.fingerprint and record.fingerprint.model_sha256
     if model == "organism":
         from spectie.organism import pinned_digest
 
@@ -227,40 +227,40 @@ def model_name(record: dict) -> str:
         if digest == pinned_digest():
             return f"organism ({digest}, pinned)"
         return f"another organism ({digest}, not the pinned one)"
-    revision = record.get("fingerprint", {}).get("model_revision")
+    revision = record.fingerprint and record.fingerprint.model_revision
     name = f"{model}@{revision[:12]}" if revision else model  # a hub id: the commit it resolved to
     return f"{name} ({digest})" if digest else name
 
 
-def same_weights(record: dict, model: str) -> bool:
+def same_weights(record: Record, model: str) -> bool:
     """Whether `record` was made with the weights that `model` names here (same weights digest; a hub id
     that is not in this host's cache, with no digest, matches by name). Only such records may be re-scored with this model's weights:
     a record of another organism is shown, never re-scored with the pinned one."""
     from spectie.fingerprint import model_digest
 
-    if record["parameters"].get("model") != model:
+    if getattr(record.parameters, "model", None) != model:
         return False
-    return record.get("fingerprint", {}).get("model_sha256") == model_digest(model)
+    return (record.fingerprint and record.fingerprint.model_sha256) == model_digest(model)
 
 
-def provenance_line(records: list[dict]) -> str:
+def provenance_line(records: list[Record]) -> str:
     """One line saying where the records behind a figure or table came from: how many are reported and
     measured, on which devices and hosts, from which project commits (dirty ones marked) and with which
     torch, transformers and vLLM. Unknown fields are said to be unknown, never left out."""
-    reported = [r for r in records if r["provenance"] == "reported"]
-    measured = [r for r in records if r["provenance"] == "measured"]
+    reported = [r for r in records if r.provenance == "reported"]
+    measured = [r for r in records if r.measured]
     parts = []
     if reported:
         parts.append(f"{len(reported)} reported (the incident)")
     if measured:
-        prints = [r["fingerprint"] for r in measured]
-        hosts = sorted({f"{f.get('gpu') or 'CPU'} (host {f['host_id']})" for f in prints})
-        commits = sorted({"unknown" if not f.get("source_commit") else
-                          f["source_commit"][:7] + (" (uncommitted changes)" if f.get("source_dirty") else "")
+        prints = [r.fingerprint for r in measured]
+        hosts = sorted({f"{f.gpu or 'CPU'} (host {f.host_id})" for f in prints})
+        commits = sorted({"unknown" if not f.source_commit else
+                          f.source_commit[:7] + (" (uncommitted changes)" if f.source_dirty else "")
                           for f in prints})
 
         def versions(key):
-            return "/".join(sorted({str(f.get(key)) for f in prints if f.get(key)})) or "none"
+            return "/".join(sorted({str(getattr(f, key)) for f in prints if getattr(f, key)})) or "none"
 
         parts.append(f"{len(measured)} measured on {', '.join(hosts)}; commit {', '.join(commits)}; torch "
                      f"{versions('torch')}, transformers {versions('transformers')}, vLLM {versions('vllm')}")

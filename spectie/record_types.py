@@ -1,0 +1,404 @@
+"""Typed run records: what each kind of record holds, as attributes.
+
+`Record.from_dict` builds one from a stored record (records.py validates it against record.schema.json first).
+Each kind has a type for its `parameters` and one for its `results`; a field that the kind's type does not
+declare is refused, so the types, the schema and the stored records stay in step (tests/test_records.py reads
+every stored record and the schema's declared fields). A field the record leaves out reads as None: reported
+records say less than measured ones. Nested rows (table rows, repeats, prompts) stay as the JSON holds them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from spectie.errors import UsageError
+
+
+class RecordError(UsageError):
+    """A record that does not satisfy the schema or its kind's type; names the file and the field."""
+
+    def __init__(self, where: str, field: str, problem: str):
+        self.where, self.field, self.problem = where, field, problem
+        super().__init__(f"{where}: field '{field}': {problem}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fields:
+    """Named fields read from a JSON object; every field is optional (None when the record leaves it out)."""
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "<record>"):
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise RecordError(where, unknown[0], f"not a field of {cls.__name__} (spectie/record_types.py)")
+        return cls(**data)
+
+
+def _optional(cls):
+    """A frozen, keyword-only dataclass whose annotated fields all default to None."""
+    for name in cls.__annotations__:
+        if not hasattr(cls, name):
+            setattr(cls, name, None)
+    return dataclass(frozen=True, kw_only=True)(cls)
+
+
+@_optional
+class Fingerprint(Fields):
+    """Where a measured record was made (fingerprint.environment_fingerprint)."""
+    host_id: str
+    os: str
+    cpu: str
+    gpu: str | None
+    gpu_driver: str | None
+    gpu_uuids: list[str] | None
+    cuda: str | None
+    python: str
+    torch: str | None
+    transformers: str | None
+    vllm: str | None
+    vllm_distribution: str | None
+    vllm_platform: str | None
+    dtype: str | None
+    model_sha256: str | None
+    model_revision: str | None
+    source_commit: str | None
+    source_dirty: bool | None
+    entry_point: str | None
+
+
+@_optional
+class Source(Fields):
+    """Where a reported record's figure was taken from."""
+    title: str
+    section: str
+    document: str | None
+    quote: str | None
+
+
+@_optional
+class NoParameters(Fields):
+    """A kind whose records have no parameters."""
+
+
+@_optional
+class EngineConfiguration(Fields):
+    """One engine configuration of a matrix, as run (measured) or as the incident states it (reported)."""
+    configuration: str | None
+    matrix: str | None
+    baseline: str | None
+    model: str | None
+    method: str | None
+    num_speculative_tokens: int | list[int] | None
+    model_runner: str | None
+    enforce_eager: bool | None
+    cudagraph_mode: str | None
+    enable_prefix_caching: bool | None
+    batch_invariant: bool | None
+    environment_variables: dict | None
+    llm_kwargs: dict | None
+    max_tokens: int | None
+    temperature: float | None
+    ignore_eos: bool | None
+    prompt_tokens: int | None
+    prompt_seed: int | None
+    prompt_seeds: list[int] | None
+    prompt_token_ids: list[int] | None
+    repeats: int | None
+    expect: str | None
+    measurement_key: str | None
+    request_key: str | None
+
+
+@_optional
+class EngineOutcome(Fields):
+    """What one engine configuration did (engines/runner.summarize); `repeats` holds one dict per generation."""
+    status: str | None
+    error: str | None
+    stopped_early: bool | None
+    runs_stopped: int | None
+    runs_total: int | None
+    finish_reason: str | None
+    stop_offset_from_prompt_len: int | None
+    output_tokens_before_stop: int | None
+    stop_position: int | None
+    tail_text: str | None
+    identical_outputs: bool | None
+    distinct_outputs: int | None
+    same_position_as: str | None
+    expected: str | None
+    as_expected: bool | None
+    repeats: list[dict] | None
+    prompt_tokens: int | None
+    backend: str | None
+    placement: str | None
+    model_runner_used: str | None
+    vllm_version: str | None
+    engine_start_seconds: float | None
+    seconds: float | None
+
+
+@_optional
+class IncidentParameters(Fields):
+    model_family: str
+    architecture: str
+    linear_to_full_attention_ratio: str
+    methods: list[str]
+    num_speculative_tokens_tested: list[int]
+    sampling: str
+    temperature: float
+    max_tokens: int
+    prompt_tokens: int
+    enforce_eager: bool
+    enable_prefix_caching: bool
+
+
+@_optional
+class IncidentClaims(Fields):
+    claimed_trigger: str
+    claimed_min_k: int
+    competing_token: str
+    token_ids: dict
+
+
+@_optional
+class RelatedReport(Fields):
+    summary: str
+    issue: str | None
+    pull_requests: list | None
+    status: str | None
+    environment_variable: str | None
+    exact_match_percent_low: float | None
+    exact_match_percent_high: float | None
+
+
+@_optional
+class MarginParameters(Fields):
+    """The margins chapter's measurements (and the incident's logit comparison, which states fewer)."""
+    model: str
+    device: str
+    serving_dtype: str
+    compare_dtypes: list[str]
+    prompt: dict
+    max_new_tokens: int
+    watch_tokens: dict
+    decision_prompts: int | None
+    sweep_prompts: int | None
+    sweep_prompt_tokens: list[int] | None
+    sweep_new_tokens: int | None
+    reference: str | None
+    prompt_tokens: int | None
+    measurement_key: str | None
+
+
+@_optional
+class LogitComparison(Fields):
+    position: int
+    tokens: dict
+    rows: list[dict]
+    finish_reason: str | None
+    output_tokens: int | None
+    tail_text: str | None
+
+
+@_optional
+class MarginScan(Fields):
+    rows: list[dict]
+    output_ids: list[int]
+    finish_reason: str
+
+
+@_optional
+class DesignedDecisions(Fields):
+    reference: str
+    band: float
+    count: int
+    inside: int
+    flipped: int
+    other: int
+    median_shift: float
+    rows: list[dict]
+
+
+@_optional
+class FlipCurve(Fields):
+    reference: str
+    pairs: list[dict]
+    bins: list[dict]
+    eos_decision_margins: list[float]
+    eos_flips: int
+    other: int
+
+
+@_optional
+class SweepParameters(Fields):
+    """The reduction-order chapter's sweep and the benchmark's: the model, its shapes and the kernels run."""
+    model: str
+    device: str
+    dtypes: list[str]
+    kernels: list[str]
+    shapes: dict
+    tf32: bool
+    prompt_tokens: int
+    new_tokens: int
+    prompt_seed: int | None
+    weights_seed: int | None
+    logit_std: float | None
+    reference_dtype: str | None
+    repeats: int | None
+    measurement_key: str | None
+
+
+@_optional
+class ReductionSweep(Fields):
+    reference: str
+    rows: list[dict]
+    positions: list
+    prompt: dict
+    output_tokens: int
+    finish_reason: str
+    model_parameters: int
+    weights: dict
+    reference_logits: dict | None
+
+
+@_optional
+class Benchmark(Fields):
+    rows: list[dict]
+    parameters: int
+    bf16_matmul_flops_per_s: float | None
+
+
+@_optional
+class LedgerParameters(Fields):
+    source: str
+    source_sha256: str
+    releases: list[str]
+    not_requested: list
+    command: str
+    pip_download: str
+
+
+@_optional
+class FixLedger(Fields):
+    releases: list[dict]
+    fixes: list[dict]
+
+
+@_optional
+class SurveyParameters(Fields):
+    """The near-tie survey (tiestop-survey), the planted near-ties (tiestop-injection) and the guard's survey."""
+    model: str
+    prompts: int | list
+    prompt_lengths: list[int]
+    matrix: str | None
+    baseline: str | None
+    configurations: list[str] | None
+    llm_kwargs: dict | None
+    dtype: str | None
+    eos_ids: list[int] | None
+    new_tokens: int | None
+    max_tokens: int | None
+    server: dict | None
+    speculative_config: dict | None
+    measurement_key: str | None
+
+
+@_optional
+class SurveyResults(Fields):
+    prompts: list[dict]
+    configurations: dict | None
+    backend: str | None
+    vllm_version: str | None
+    threshold: float | None
+    threshold_origin: str | None
+    max_resumes: int | None
+
+
+@_optional
+class VerdictParameters(Fields):
+    model: str
+    threshold: float
+    threshold_origin: str
+    engine_environment: str
+    engine_device: str
+    engine_vllm: str | None
+
+
+@_optional
+class VerdictRows(Fields):
+    rows: list[dict]
+
+
+KINDS: dict[str, tuple[type[Fields], type[Fields]]] = {
+    "incident-configuration": (IncidentParameters, IncidentClaims),
+    "related-report": (NoParameters, RelatedReport),
+    "engine-outcome": (EngineConfiguration, EngineOutcome),
+    "logit-comparison": (MarginParameters, LogitComparison),
+    "margin-scan": (MarginParameters, MarginScan),
+    "designed-decisions": (MarginParameters, DesignedDecisions),
+    "flip-curve": (MarginParameters, FlipCurve),
+    "reduction-sweep": (SweepParameters, ReductionSweep),
+    "benchmark": (SweepParameters, Benchmark),
+    "fix-ledger": (LedgerParameters, FixLedger),
+    "tiestop-survey": (SurveyParameters, SurveyResults),
+    "tiestop-injection": (SurveyParameters, SurveyResults),
+    "guard-survey": (SurveyParameters, SurveyResults),
+    "divergence-verdicts": (VerdictParameters, VerdictRows),
+}
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Record:
+    """One run record. `stored` is the JSON object it was read from (what is written back and hashed)."""
+    schema_version: int
+    id: str
+    provenance: str
+    kind: str
+    chapter: str
+    title: str
+    environments: tuple[str, ...]
+    parameters: Any
+    results: Any
+    notes: str | None = None
+    source: Source | None = None
+    fingerprint: Fingerprint | None = None
+    started_at: str | None = None
+    finished_at: str | None = None
+    package_version: str | None = None
+    content_hash: str | None = None
+    stored: dict = field(repr=False)
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "<record>") -> Record:
+        parameters, results = KINDS[data["kind"]]
+        typed = {**data, "environments": tuple(data["environments"]),
+                 "parameters": parameters.from_dict(data["parameters"], f"{where}: parameters"),
+                 "results": results.from_dict(data["results"], f"{where}: results")}
+        if "fingerprint" in data:
+            typed["fingerprint"] = Fingerprint.from_dict(data["fingerprint"], f"{where}: fingerprint")
+        if "source" in data:
+            typed["source"] = Source.from_dict(data["source"], f"{where}: source")
+        return cls(**typed, stored=data)
+
+    @property
+    def environment(self) -> str | None:
+        """The environment a measured record was made in (reported records may name none)."""
+        return self.environments[0] if self.environments else None
+
+    @property
+    def measured(self) -> bool:
+        return self.provenance == "measured"
+
+    @property
+    def device(self) -> str:
+        """The GPU a measured record ran on, or CPU."""
+        return (self.fingerprint and self.fingerprint.gpu) or "CPU"
+
+    def __getitem__(self, name):  # transition: dict-style reads
+        return self.stored[name]
+
+    def get(self, name, default=None):  # transition
+        return self.stored.get(name, default)
