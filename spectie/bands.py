@@ -3,20 +3,23 @@ in words, its band per model, precision, kernels and TF32 setting split into the
 alone, the widest bf16 band, how bands grow with the model, where the incident's margin falls, and a random-weight
 shape's band against the spread of its logits. Read by the tools' thresholds, the guidance chapter and the first page.
 
-    points = band_points(records)        # one per (sweep, dtype, kernels, TF32)
+    points = band_points(records)        # one per (sweep record, dtype, kernels, TF32)
     widest = largest_bf16_band(points)   # {"label", "band", "precision", "order", ...}
 """
 
 from __future__ import annotations
 
 from spectie import qwen_shapes
+from spectie.record_types import Record
 from spectie.reduction_order import BAND_QUANTILE, spread_suffix, weights_of
 
 
-def model_label(record: dict) -> str:
+def model_label(record: Record) -> str:
+    """How a sweep record's model is named on the page: a random-weight shape as such (with its logit spread
+    where it is not the default), any other model by `records.model_name`."""
     from spectie.records import model_name
 
-    model = record["parameters"]["model"]
+    model = record.parameters.model
     spread = spread_suffix(record)
     if weights_of(record) == qwen_shapes.LABEL:
         return f"{model} (random weights{', ' + spread if spread else ''})"
@@ -28,14 +31,13 @@ READABLE = {"noise_band": "band vs fp32", "p99_deviation": "p99 |logit change|",
             "largest_flipped_margin": "largest flipped margin"}
 
 
-def summary_rows(record: dict) -> list[dict]:
+def summary_rows(record: Record) -> list[dict]:
     """One row per (kernels, TF32, dtype, shape) of a sweep record: the figures a reader compares, named in
     words (the per-position lists and the median/p90 deviations stay in the record)."""
-    host = record["fingerprint"].get("gpu") or "CPU"
-    return [{"model": model_label(record), "host": host, "kernels": row["kernels"], "tf32": row["tf32"],
+    return [{"model": model_label(record), "host": record.device, "kernels": row["kernels"], "tf32": row["tf32"],
              "dtype": row["dtype"], "shape": row["shape"], "kind": row["kind"], "positions": row["positions"],
              **{READABLE[key]: row.get(key) for key in READABLE}}
-            for row in record["results"]["rows"]]
+            for row in record.results.rows]
 
 
 def recorded_band_points() -> list[dict]:
@@ -55,28 +57,29 @@ def order_band(row: dict, full: dict) -> float:
     return float(np.quantile(moved, BAND_QUANTILE))
 
 
-def band_points(records: list[dict]) -> list[dict]:
+def band_points(records: list[Record]) -> list[dict]:
     """Noise band per model and precision (the widest over shapes), torch kernels with TF32 off and,
     where measured, the fast kernels: what a `noise band vs model size` plot needs. Each band is split in
     two: `precision`, the `full` shape against the fp32 reference (the same order of sums, another
     precision), and `order`, the widest other shape against `full` in the same precision (another order of
-    sums alone); `band`, against the fp32 reference, holds both."""
+    sums alone); `band`, against the fp32 reference, holds both. `model_parameters` counts the model's
+    parameters (0 where the sweep did not record it)."""
     points = []
     for record in records:
-        rows = record["results"]["rows"]
+        results = record.results
+        rows = results.rows
         for (kernels, tf32, dtype) in sorted({(r["kernels"], r["tf32"], r["dtype"]) for r in rows}):
             chosen = [r for r in rows if (r["kernels"], r["tf32"], r["dtype"]) == (kernels, tf32, dtype)]
             full = next((r for r in chosen if r["shape"] == "full"), None)
             others = [r for r in chosen if r is not full]
-            points.append({"label": f"{model_label(record)} · {record['fingerprint'].get('gpu') or 'CPU'}"
-                                    f" · {kernels}{' TF32' if tf32 else ''}",
+            points.append({"label": f"{model_label(record)} · {record.device} · {kernels}{' TF32' if tf32 else ''}",
                            "weights": weights_of(record),
-                           "model_sha256": record["fingerprint"].get("model_sha256"),
-                           "gpu": record["fingerprint"].get("gpu"),
-                           "parameters": record["results"].get("model_parameters") or 0, "dtype": dtype,
+                           "model_sha256": record.fingerprint.model_sha256,
+                           "gpu": record.fingerprint.gpu,
+                           "model_parameters": results.model_parameters or 0, "dtype": dtype,
                            "kernels": kernels, "tf32": tf32, "band": max(r["noise_band"] for r in chosen),
-                           "logit_std": record["results"].get("weights", {}).get("logit_std"),
-                           "top1_median": record["results"].get("reference_logits", {}).get("top1_median"),
+                           "logit_std": (results.weights or {}).get("logit_std"),
+                           "top1_median": (results.reference_logits or {}).get("top1_median"),
                            "precision": full["noise_band"] if full else None,
                            "order": max((order_band(r, full) for r in others), default=None) if full else None})
     return points
@@ -100,7 +103,7 @@ def largest_bf16_band(points: list[dict]) -> dict:
     free parameter, shown beside them, not a wider band of the same model)."""
     bands = [p for p in points if p["dtype"] == "bfloat16" and not p["tf32"]
              and p["logit_std"] in (None, qwen_shapes.DEFAULT_LOGIT_STD)]
-    return max(bands, key=lambda p: (p["parameters"], p["band"]))
+    return max(bands, key=lambda p: (p["model_parameters"], p["band"]))
 
 
 def exact_order_text(points: list[dict]) -> str:

@@ -99,7 +99,7 @@ def run(model: str = "organism", device: str = "cpu", dtypes=("float32", "bfloat
                 forwards = len(shape.steps(positions[0], len(ids)))
                 rows.append(_row(loaded, dtype, shape.name, forwards, seconds, plain, len(ids), new_tokens, rate))
                 log(_line(rows[-1]))
-            del loaded
+            loaded = None  # the weights go before the next precision loads (the timed closures hold this name)
     return {"parameters": {"model": model, "device": device, "dtypes": list(dtypes), "shapes": list(shapes),
                            "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "repeats": repeats,
                            "kernels": "torch", "tf32": False},
@@ -124,15 +124,17 @@ def _line(row: dict) -> str:
 
 
 def bench_record(dump: dict, environment: str) -> dict:
-    """A measured record (kind `benchmark`) of a bench dump, in the reduction_order chapter."""
+    """A measured record (kind `benchmark`) of a bench dump, in the reduction_order chapter: the dict to write."""
     from spectie.records import measured_record
 
-    model = dump["results"]["parameters"]["model"]
+    results = dump["results"]  # the dump's own dict (its `parameters` become the record's): a record is made of it
+    parameters = results["parameters"]
+    model = parameters["model"]
     return measured_record(
         record_id=f"bench-{environment}-{model}-{dump['fingerprint']['host_id']}".replace("_", "-").replace(".", "-"),
         kind="benchmark", chapter="reduction_order",
-        title=f"Cost of the reduction-order scans: {model} ({dump['results']['parameters']['device']})",
-        environment=environment, parameters=dump["results"]["parameters"], results=dump["results"],
+        title=f"Cost of the reduction-order scans: {model} ({parameters['device']})",
+        environment=environment, parameters=parameters, results=results,
         started_at=dump["started_at"], finished_at=dump["finished_at"], fingerprint=dump["fingerprint"],
         content_hash=dump["content_hash"])
 

@@ -140,8 +140,8 @@ def _cmd_tiestop(args) -> int:
 
         record = read_record(args.record)
         completions += tiestop.from_record(record)
-        device = record["fingerprint"].get("gpu") or "CPU"  # the band of the device that served it, where recorded
-        args.model = args.model or record["parameters"].get("model")
+        device = record.device  # the band of the device that served it, where recorded
+        args.model = args.model or record.parameters.model
     model = resolve_model(args.model) if args.model else None
     if args.threshold is not None:
         threshold, origin = args.threshold, "given with --threshold"
@@ -237,8 +237,8 @@ def _cmd_fixes(args) -> int:
     if args.json:
         print(json.dumps(rows))
         return 0
-    print(f"vLLM {version} (ledger of the official wheels {record['parameters']['releases'][0]} to "
-          f"{record['parameters']['releases'][-1]}, read {record['started_at'][:10]}):")
+    print(f"vLLM {version} (ledger of the official wheels {record.parameters.releases[0]} to "
+          f"{record.parameters.releases[-1]}, read {record.started_at[:10]}):")
     if distribution != "vllm":
         print(f"  (installed here: {distribution}, a community build; the ledger read the official wheels' source)")
     for row in rows:

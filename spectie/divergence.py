@@ -23,6 +23,7 @@ from enum import Enum
 from pathlib import Path
 
 from spectie.errors import UsageError
+from spectie.record_types import Record
 
 
 class Verdict(str, Enum):
@@ -362,42 +363,41 @@ def openai_token_ids(response: dict, name: str) -> tuple[list[int] | None, list[
 
 
 
-def pair_from_records(record: dict, baseline: dict, repeat: int = 0) -> dict:
+def pair_from_records(record: Record, baseline: Record, repeat: int = 0) -> dict:
     """The classifier's input from two reproduction records (`engine-outcome`) of one matrix run: the
     prompt, one repeat of `record` as a, the same repeat of its baseline as b."""
     for r in (record, baseline):
-        parameters, results = r.get("parameters"), r.get("results")
-        if r.get("kind") != "engine-outcome" or not isinstance(parameters, dict) or "prompt_token_ids" not in parameters \
-                or not isinstance(results, dict) or not isinstance(results.get("repeats"), list):
-            raise UsageError(f"record {r.get('id')!r} is not a reproduction record with its prompt and repeats "
+        if r.kind != "engine-outcome" or r.parameters.prompt_token_ids is None \
+                or not isinstance(r.results.repeats, list):
+            raise UsageError(f"record {r.id!r} is not a reproduction record with its prompt and repeats "
                              "(records from before prompts were recorded cannot be classified)")
-        if not 0 <= repeat < len(results["repeats"]):
-            raise UsageError(f"record {r['id']!r} has no repeat {repeat} (status {results.get('status')!r})")
-        check_token_list(parameters["prompt_token_ids"], f"record {r['id']!r}: parameters.prompt_token_ids")
-        chosen = results["repeats"][repeat]
+        if not 0 <= repeat < len(r.results.repeats):
+            raise UsageError(f"record {r.id!r} has no repeat {repeat} (status {r.results.status!r})")
+        check_token_list(r.parameters.prompt_token_ids, f"record {r.id!r}: parameters.prompt_token_ids")
+        chosen = r.results.repeats[repeat]
         check_token_list(chosen.get("token_ids") if isinstance(chosen, dict) else None,
-                         f"record {r['id']!r}: results.repeats[{repeat}].token_ids")
-    if record["parameters"]["prompt_token_ids"] != baseline["parameters"]["prompt_token_ids"]:
-        raise UsageError(f"records {record['id']!r} and {baseline['id']!r} were run on different prompts")
-    return {"prompt_token_ids": record["parameters"]["prompt_token_ids"], "model": record["parameters"]["model"],
-            "a": record["results"]["repeats"][repeat]["token_ids"], "b": baseline["results"]["repeats"][repeat]["token_ids"],
-            "a_name": record["parameters"]["configuration"], "b_name": baseline["parameters"]["configuration"]}
+                         f"record {r.id!r}: results.repeats[{repeat}].token_ids")
+    if record.parameters.prompt_token_ids != baseline.parameters.prompt_token_ids:
+        raise UsageError(f"records {record.id!r} and {baseline.id!r} were run on different prompts")
+    return {"prompt_token_ids": record.parameters.prompt_token_ids, "model": record.parameters.model,
+            "a": record.results.repeats[repeat]["token_ids"], "b": baseline.results.repeats[repeat]["token_ids"],
+            "a_name": record.parameters.configuration, "b_name": baseline.parameters.configuration}
 
 
-def baseline_record(record_path: str | Path) -> dict:
+def baseline_record(record_path: str | Path) -> Record:
     """The baseline record beside a reproduction record (same folder, the configuration its record names,
     the same matrix and prompt seed)."""
     from spectie.records import read_record
 
     record_path = Path(record_path)
     record = read_record(record_path)
-    name = record["parameters"].get("baseline") if isinstance(record.get("parameters"), dict) else None
+    name = getattr(record.parameters, "baseline", None)
     if not isinstance(name, str):
         raise UsageError(f"{record_path}: names no baseline configuration (parameters.baseline)")
     for path in sorted(record_path.parent.glob("*.json")):
         other = read_record(path)
-        same_run = all(other["parameters"].get(key, 0) == record["parameters"].get(key, 0)
-                       for key in ("matrix", "prompt_seed")) if other.get("kind") == "engine-outcome" else False
-        if same_run and other["parameters"].get("configuration") == name:
+        same_run = other.kind == "engine-outcome" and all(
+            getattr(other.parameters, key) == getattr(record.parameters, key, None) for key in ("matrix", "prompt_seed"))
+        if same_run and other.parameters.configuration == name:
             return other
     raise UsageError(f"no record of the baseline configuration {name!r} beside {record_path}")

@@ -14,6 +14,7 @@ from pathlib import Path
 from spectie import divergence
 from spectie.divergence import Verdict, pair_from_records
 from spectie.errors import UsageError
+from spectie.record_types import Record
 
 
 CASES = "sources/classifier_cases.json"  # the labelled cases, built once on the organism and kept as data
@@ -176,23 +177,23 @@ def build_cases(model: str = "organism", seeds=CASE_SEEDS, new_tokens: int = CAS
     return cases
 
 
-def recorded_pairs(records: list[dict]) -> list[dict]:
+def recorded_pairs(records: list[Record]) -> list[dict]:
     """Unlabelled divergences of real engines: each speculative run (first repeat) that parts from plain greedy
     on its prompt, once per prompt and position, from reproduction records of one model and host."""
-    plain = {r["parameters"]["prompt_seed"]: r for r in records if r["parameters"]["method"] == "none"
-             and r["parameters"]["configuration"] == r["parameters"]["baseline"] and r["results"]["repeats"]}
+    plain = {r.parameters.prompt_seed: r for r in records if r.parameters.method == "none"
+             and r.parameters.configuration == r.parameters.baseline and r.results.repeats}
     pairs, seen = [], set()
-    for r in sorted(records, key=lambda r: (r["parameters"]["prompt_seed"], r["parameters"]["configuration"])):
-        seed = r["parameters"]["prompt_seed"]
-        repeat = (r["results"]["repeats"] or [{}])[0]
-        if r["parameters"]["method"] == "none" or seed not in plain or repeat.get("first_divergence") is None:
+    for r in sorted(records, key=lambda r: (r.parameters.prompt_seed, r.parameters.configuration)):
+        seed = r.parameters.prompt_seed
+        repeat = (r.results.repeats or [{}])[0]
+        if r.parameters.method == "none" or seed not in plain or repeat.get("first_divergence") is None:
             continue
         if (seed, repeat["first_divergence"]) in seen:
             continue
         seen.add((seed, repeat["first_divergence"]))
         pair = pair_from_records(r, plain[seed])
-        pairs.append({"name": f"{r['parameters']['configuration']} vs plain, seed {seed}",
-                      "class": r["parameters"]["method"], "prompt_token_ids": pair["prompt_token_ids"],
+        pairs.append({"name": f"{r.parameters.configuration} vs plain, seed {seed}",
+                      "class": r.parameters.method, "prompt_token_ids": pair["prompt_token_ids"],
                       "a": pair["a"], "b": pair["b"]})
     return pairs
 

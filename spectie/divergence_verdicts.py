@@ -4,35 +4,35 @@ verdicts, fp32 margins equal within MARGIN_TOLERANCE, leaves the earlier record 
 
 from __future__ import annotations
 
+from spectie.record_types import Record, VerdictParameters
 
 VERDICTS_KIND = "divergence-verdicts"
 
 
-def write_verdicts(rows: list[dict], engine_records: list[dict], model: str, threshold: float, origin: str,
-                   environment: str, content_hash: str, started_at: str) -> dict:
+def write_verdicts(rows: list[dict], engine_records: list[Record], model: str, threshold: float, origin: str,
+                   environment: str, content_hash: str, started_at: str) -> Record:
     """A measured record of the classifier's verdicts on the divergences a vLLM environment wrote (the
     rows of `classify_cases` on its `recorded_pairs`): computed on this host, about the engine outputs of
     `engine_records`' environment, with the band used. The summary reads it instead of classifying again."""
     from spectie.fingerprint import host_id
-    from spectie.records import measured_path, measured_record, read_if_valid, write_record
+    from spectie.records import measured_path, measured_record, read_if_valid, read_record, write_record
 
     source = engine_records[0]
-    parameters = {"model": model, "engine_environment": source["environments"][0],
-                  "engine_vllm": source["fingerprint"]["vllm"], "engine_device": source["fingerprint"]["gpu"] or "CPU",
+    parameters = {"model": model, "engine_environment": source.environment,
+                  "engine_vllm": source.fingerprint.vllm, "engine_device": source.device,
                   "threshold": threshold, "threshold_origin": origin}
+    verdicts = [{k: v for k, v in row.items() if k not in ("truth", "right")} for row in rows]
     record = measured_record(
-        record_id=f"{VERDICTS_KIND}-{source['environments'][0]}-{host_id()}".lower(), kind=VERDICTS_KIND,
+        record_id=f"{VERDICTS_KIND}-{source.environment}-{host_id()}".lower(), kind=VERDICTS_KIND,
         chapter="guidance", environment=environment, parameters=parameters,
         title=f"Classifier verdicts on vLLM {parameters['engine_vllm']}'s divergences ({parameters['engine_environment']})",
-        results={"rows": [{k: v for k, v in row.items() if k not in ("truth", "right")} for row in rows]},
-        started_at=started_at, content_hash=content_hash, dtype="float32")
+        results={"rows": verdicts}, started_at=started_at, content_hash=content_hash, dtype="float32")
     path = measured_path(record)
     earlier = read_if_valid(path)  # the same verdicts on the same divergences with the same band: it stands, unchanged
-    if earlier and earlier["parameters"] == record["parameters"] and same_rows(earlier["results"]["rows"],
-                                                                               record["results"]["rows"]):
+    if earlier and earlier.parameters == VerdictParameters.from_dict(parameters) \
+            and same_rows(earlier.results.rows, verdicts):
         return earlier
-    write_record(record, path)
-    return record
+    return read_record(write_record(record, path))
 
 
 MARGIN_TOLERANCE = 1e-4  # logits: fp32 margins move in the 6th decimal with the CPU thread count, nothing else does

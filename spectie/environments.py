@@ -8,6 +8,7 @@ import yaml
 
 from spectie.errors import UsageError
 from spectie.paths import project_root
+from spectie.record_types import Record
 
 REQUIRED_KEYS = {"id", "title", "named_in_incident", "vllm", "hardware", "software", "install", "notes"}
 
@@ -55,48 +56,47 @@ def incident_releases(environments: dict[str, dict]) -> list[str]:
                    if env["named_in_incident"] and env["vllm"].get("version")})
 
 
-def gpu_releases(records: list[dict]) -> list[str]:
+def gpu_releases(records: list[Record]) -> list[str]:
     """The vLLM releases that ran an engine here on a GPU (measured engine outcomes)."""
-    return sorted({release(r["fingerprint"].get("vllm")) for r in records
-                   if r["provenance"] == "measured" and r["kind"] == "engine-outcome"
-                   and r["fingerprint"].get("gpu") and r["fingerprint"].get("vllm")})
+    return sorted({release(r.fingerprint.vllm) for r in records
+                   if r.measured and r.kind == "engine-outcome" and r.fingerprint.gpu and r.fingerprint.vllm})
 
 
-def environment_status(env_id: str, records: list[dict]) -> str:
+def environment_status(env_id: str, records: list[Record]) -> str:
     """What the book says of an environment, derived from the records (never stored by hand)."""
-    if any(r["provenance"] == "measured" and env_id in r["environments"] for r in records):
+    if any(r.measured and env_id in r.environments for r in records):
         return STATUS_MEASURED
-    if any(r["provenance"] == "reported" and env_id in r["environments"] for r in records):
+    if any(r.provenance == "reported" and env_id in r.environments for r in records):
         return STATUS_REPORTED
     return STATUS_NOT_RUN
 
 
-def pending_text(env: dict, records: list[dict]) -> str | None:
+def pending_text(env: dict, records: list[Record]) -> str | None:
     """Why an environment that has a plan has no record yet (its file's `pending`), while that stays true."""
     if env.get("pending") and environment_status(env["id"], records) == STATUS_NOT_RUN:
         return " ".join(env["pending"].split())
     return None
 
 
-def check_record_environments(records: list[dict]) -> list[str]:
+def check_record_environments(records: list[Record]) -> list[str]:
     """Problems: records that name an environment with no file in environments/."""
     known = load_environments()
     return [
-        f"record {r['id']!r} names unknown environment {env!r}"
+        f"record {r.id!r} names unknown environment {env!r}"
         for r in records
-        for env in r["environments"]
+        for env in r.environments
         if env not in known
     ]
 
 
-def require_described(records: list[dict]) -> None:
+def require_described(records: list[Record]) -> None:
     """A UsageError naming every record whose environment no file in environments/ describes (a page stops there)."""
     problems = check_record_environments(records)
     if problems:
         raise UsageError("records name environments that environments/ does not describe:\n" + "\n".join(problems))
 
 
-def environments_table(records: list[dict]):
+def environments_table(records: list[Record]):
     """One row per environment: what it is, how to install it, and its status from the records."""
     import pandas as pd
 
@@ -114,12 +114,12 @@ def environments_table(records: list[dict]):
             "hardware": gpus,
             "named in the incident": "yes" if env["named_in_incident"] else "no",
             "status": environment_status(env["id"], records),
-            "records": sum(env["id"] in r["environments"] for r in records),
+            "records": sum(env["id"] in r.environments for r in records),
         })
     return pd.DataFrame(rows).set_index("environment")
 
 
-def page_values(records: list[dict]) -> dict:
+def page_values(records: list[Record]) -> dict:
     """The environments appendix's glue values: every environment with its records (a table) and the counts; a
     record that names an environment no file describes stops the page (UsageError)."""
     from collections import Counter
@@ -128,13 +128,13 @@ def page_values(records: list[dict]) -> dict:
 
     require_described(records)
     table = environments_table(records)
-    counts = Counter(r["provenance"] for r in records)
+    counts = Counter(r.provenance for r in records)
     return {"environments_table": table.reset_index().style.hide(axis="index"),  # cells whole, not cut
             "n_reported": counts["reported"], "n_measured": counts["measured"], "n_environments": len(table),
             "environments_provenance": provenance_line(records)}
 
 
-def sections_markdown(records: list[dict]) -> str:
+def sections_markdown(records: list[Record]) -> str:
     """Each environment as a Markdown section: its notes, what is not run yet, how to install it, its details."""
     sections = []
     for env in load_environments().values():

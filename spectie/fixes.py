@@ -20,6 +20,7 @@ from pathlib import Path
 
 from spectie.errors import UsageError
 from spectie.paths import project_root
+from spectie.record_types import Record
 
 LEDGER = "sources/fix_ledger.json"
 CHAPTER = "fix_ledger"
@@ -46,9 +47,10 @@ def failure_of(fix: str) -> str:
     return FAILURES.get(fix.split(" ")[0], "")
 
 
-def ledger_record(path: str | Path | None = None) -> dict:
+def ledger_record(path: str | Path | None = None) -> Record:
     """The ledger's output as a measured record: per fix its threads, markers, verdict per release and the
-    first release that has it; per release the wheel that was read (name, sha256, PyPI upload time)."""
+    first release that has it; per release the wheel that was read (name, sha256, PyPI upload time). Nothing
+    is written (`ensure_record` writes it)."""
     from spectie.fingerprint import host_id
     from spectie.records import measured_record
 
@@ -64,7 +66,7 @@ def ledger_record(path: str | Path | None = None) -> dict:
     releases = [{"version": r["version"], "wheel": r.get("wheel"), "wheel_sha256": r.get("wheel_sha256"),
                  "published": r.get("pypi_upload_time_x86_64_wheel")} for r in ledger["releases"]]
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    return measured_record(
+    return Record.from_dict(measured_record(
         record_id=f"fix-ledger-{host_id()}", kind="fix-ledger", chapter=CHAPTER,
         title="Which released vLLM wheel carries each public fix (read from the wheels' own source)",
         environment=ENVIRONMENT,
@@ -73,7 +75,7 @@ def ledger_record(path: str | Path | None = None) -> dict:
                     "not_requested": ledger.get("pypi_versions_in_range_not_requested", [])},
         results={"fixes": fixes, "releases": releases}, started_at=ledger["generated_utc"], content_hash=digest,
         notes="Verdicts from markers of each fix's code in the released CUDA wheels' Python source; "
-              "sources/fix_ledger.md says which threads were read, each marker and why.")
+              "sources/fix_ledger.md says which threads were read, each marker and why."))
 
 
 def _version_key(version: str) -> tuple:
@@ -90,12 +92,12 @@ def release_of(version: str) -> str:
     return match[1]
 
 
-def fixes_for(record: dict, version: str) -> list[dict]:
-    """For one vLLM version, each fix of the ledger and whether that release's wheel has it."""
+def fixes_for(record: Record, version: str) -> list[dict]:
+    """For one vLLM version, each fix of the ledger (a fix-ledger record) and whether that release's wheel has it."""
     release = release_of(version)
-    checked = record["parameters"]["releases"]
+    checked = record.parameters.releases
     rows = []
-    for fix in record["results"]["fixes"]:
+    for fix in record.results.fixes:
         verdict = fix["per_release"].get(release)
         if verdict is None:
             first = fix["first_release"]
@@ -120,30 +122,30 @@ def first_unknown(fix: dict) -> str:
     return f"none of those that can tell; {', '.join(unsure)} cannot tell"
 
 
-def ledger_table(record: dict):
+def ledger_table(record: Record):
     """Fix × release, one letter each (P present, A absent, ? unknown or mixed), and the first release (the
     failure each fixes: failures_text; a column of it would make the table too wide to read)."""
     import pandas as pd
 
     letters = {"present": "P", "absent": "A", "unknown": "?", "mixed": "?"}
     rows = []
-    for fix in record["results"]["fixes"]:
+    for fix in record.results.fixes:
         row = {"fix": fix["fix"]}
-        row.update({release: letters[fix["per_release"][release]] for release in record["parameters"]["releases"]})
+        row.update({release: letters[fix["per_release"][release]] for release in record.parameters.releases})
         row["first release with it"] = fix["first_release"] or first_unknown(fix)
         rows.append(row)
     return pd.DataFrame(rows).set_index("fix")
 
 
-def failures_text(record: dict) -> str:
+def failures_text(record: Record) -> str:
     """Which failure each public thread of the ledger reports, in words, once per thread."""
     seen: dict[str, str] = {}
-    for fix in record["results"]["fixes"]:
+    for fix in record.results.fixes:
         seen.setdefault(fix["fix"].split(" ")[0], fix["failure"])
     return "; ".join(f"#{number}: {failure}" for number, failure in seen.items() if failure)
 
 
-def releases_text(record: dict, versions: list[str]) -> str:
+def releases_text(record: Record, versions: list[str]) -> str:
     """For each named release, which fixes its wheel has and lacks, in words."""
     parts = []
     for version in versions:
@@ -166,30 +168,29 @@ def installed_version() -> tuple[str | None, str | None]:
     return None, None
 
 
-def ensure_record(results_dir: str | Path | None = None) -> dict:
+def ensure_record(results_dir: str | Path | None = None) -> Record:
     """The ledger's record on this machine: the one under results/ if it was made from the committed ledger
     as it is now (same sha256), else a new one, written there."""
-    from spectie.records import measured_path, read_if_valid, write_record
+    from spectie.records import measured_path, read_if_valid, read_record, write_record
 
     record = ledger_record()
-    path = measured_path(record, results_dir)
+    path = measured_path(record.stored, results_dir)
     existing = read_if_valid(path)
-    if existing and existing["parameters"]["source_sha256"] == record["parameters"]["source_sha256"]:
+    if existing and existing.parameters.source_sha256 == record.parameters.source_sha256:
         return existing
-    write_record(record, path)
-    return record
+    return read_record(write_record(record.stored, path))
 
 
-def ledger_values(record: dict) -> dict:
+def ledger_values(record: Record) -> dict:
     """The glue values of the fix ledger's section: its table, the releases it read, which of them the incident
     named, and the fixes no release carries."""
     from spectie.environments import load_environments
 
-    checked = record["parameters"]["releases"]
+    checked = record.parameters.releases
     incident = sorted({env["vllm"]["version"] for env in load_environments().values()
                        if env["named_in_incident"] and env["vllm"].get("version")})
-    never = [f["fix"] for f in record["results"]["fixes"] if set(f["per_release"].values()) == {"absent"}]
+    never = [f["fix"] for f in record.results.fixes if set(f["per_release"].values()) == {"absent"}]
     return {"ledger_table": ledger_table(record), "ledger_failures": failures_text(record),
             "ledger_range": f"{checked[0]} to {checked[-1]}", "ledger_count": len(checked),
-            "ledger_date": record["started_at"][:10], "ledger_incident": releases_text(record, incident),
+            "ledger_date": record.started_at[:10], "ledger_incident": releases_text(record, incident),
             "ledger_latest": releases_text(record, checked[-1:]), "ledger_never": ", ".join(never) or "none"}

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from spectie.errors import UsageError
+from spectie.record_types import Record
 
 CHAPTER = "guidance"
 KIND = "guard-survey"
@@ -133,7 +134,7 @@ def record_path(environment: str, results_dir=None):
 
 
 def measure(model: str, environment: str, count: int = 24, max_tokens: int = 200, content_hash: str | None = None,
-            model_label: str | None = None, progress: bool = True, results_dir=None, log=print) -> dict:
+            model_label: str | None = None, progress: bool = True, results_dir=None, log=print) -> Record:
     """The survey's first `count` prompts through `vllm serve` (MTP, one speculative token) without and with the
     guard; this host's record, reused where the same measurement is recorded, else made, written and returned."""
     from spectie import guard
@@ -142,7 +143,7 @@ def measure(model: str, environment: str, count: int = 24, max_tokens: int = 200
     from spectie.fingerprint import host_id, measurement_key, now
     from spectie.paths import project_root
     from spectie.prompts import build_prompt
-    from spectie.records import measured_record, recorded_measurement, write_record
+    from spectie.records import measured_record, read_record, recorded_measurement, write_record
     from spectie.survey import LENGTHS, prompt_specs
     from spectie.tokenizer import model_tokenizer
 
@@ -153,7 +154,7 @@ def measure(model: str, environment: str, count: int = 24, max_tokens: int = 200
     earlier = recorded_measurement(record_path(environment, results_dir), key)
     if earlier is not None:
         log(f"guard survey: recorded earlier with the same weights, prompts, server and code "
-            f"({earlier.get('finished_at')}), reused")
+            f"({earlier.finished_at}), reused")
         return earlier
     python = engine_python(environment)
     probe = probe_vllm(environment, python)
@@ -180,6 +181,5 @@ def measure(model: str, environment: str, count: int = 24, max_tokens: int = 200
                  "threshold_origin": checked.threshold_origin, "max_resumes": checked.max_resumes, "prompts": rows},
         started_at=started_at, content_hash=content_hash, dtype="bfloat16")
     engine_fingerprint(record, probe)
-    write_record(record, record_path(environment, results_dir))
-    return record
+    return read_record(write_record(record, record_path(environment, results_dir)))
 

@@ -13,19 +13,19 @@ from dataclasses import dataclass
 from spectie import thresholds, tiestop
 from spectie.completions import stopped_earlier, tokens_written
 from spectie.incident import fp32_row, logit_comparison
+from spectie.record_types import Record
 
 
-def detector_rows(records: list[dict], threshold: float) -> list[dict]:
+def detector_rows(records: list[Record], threshold: float) -> list[dict]:
     """One row per reproduction record that ran: how its first repeat ended, and whether the tie-stop
     detector flags that stop (from the stop margin vLLM's own top-2 logprobs gave)."""
     rows = []
     for record in records:
-        results = record["results"]
-        if not results["repeats"]:
+        if not record.results.repeats:
             continue
-        repeat = results["repeats"][0]
+        repeat = record.results.repeats[0]
         stop = repeat.get("stop_margin")
-        row = {"configuration": record["parameters"]["configuration"], "finish": repeat["finish_reason"],
+        row = {"configuration": record.parameters.configuration, "finish": repeat["finish_reason"],
                "tokens written": tokens_written(repeat), "stop token": None, "margin": None, "runner-up": None,
                "flagged": None}
         if stop:
@@ -55,7 +55,7 @@ def grouped_outcomes(repeats: dict[str, dict]) -> str:
     return "; ".join(f"{', '.join(names)}: {text}" for text, names in groups.items())
 
 
-def fp32_head_bands(records: list[dict]) -> str | None:
+def fp32_head_bands(records: list[Record]) -> str | None:
     """The bf16 noise band with the bf16 head and with an fp32 head, per recorded sweep that has both
     (torch kernels, TF32 off), in words; None when no sweep has an fp32-head row."""
     from spectie.bands import band_points
@@ -74,36 +74,36 @@ def fp32_head_bands(records: list[dict]) -> str | None:
             "logprob margin moves in), not the reordered sums of the body that move the hidden states")
 
 
-def batch_invariant_text(runs: list[dict], baseline: dict | None) -> str:
+def batch_invariant_text(runs: list[Record], baseline: Record | None) -> str:
     """What the recorded batch-invariant configurations did, in words."""
-    chosen = [r for r in runs if r["parameters"].get("batch_invariant")]
+    chosen = [r for r in runs if r.parameters.batch_invariant]
     if not chosen:
         return "not measured yet: no record of a batch-invariant configuration"
     parts = []
     for record in chosen:
-        results = record["results"]
-        platform = record["fingerprint"].get("vllm_platform") or results.get("backend") or "?"
-        name = f"{record['parameters']['configuration']} (vLLM {record['fingerprint'].get('vllm')}, {platform})"
-        if results["status"] == "ok" and results["repeats"]:
-            same = baseline and results["repeats"][0]["token_ids"] == baseline["results"]["repeats"][0]["token_ids"]
+        results = record.results
+        platform = record.fingerprint.vllm_platform or results.backend or "?"
+        name = f"{record.parameters.configuration} (vLLM {record.fingerprint.vllm}, {platform})"
+        if results.status == "ok" and results.repeats:
+            same = baseline and results.repeats[0]["token_ids"] == baseline.results.repeats[0]["token_ids"]
             parts.append(f"{name} ran: {'the same completion as' if same else 'a different completion from'} plain greedy")
         else:
-            message = (results.get("error") or {}).get("message", "").strip().splitlines()
-            parts.append(f"{name}: {results['status']}" + (f", vLLM said: {message[-1][:160]}" if message else ""))
+            message = (results.error or {}).get("message", "").strip().splitlines()
+            parts.append(f"{name}: {results.status}" + (f", vLLM said: {message[-1][:160]}" if message else ""))
     return "; ".join(parts)
 
 
-def row_counts(records: list[dict], model_path: str, marker: str = "[DATA]") -> list[dict]:
+def row_counts(records: list[Record], model_path: str, marker: str = "[DATA]") -> list[dict]:
     """The integrity check a caller can make: data rows in each run's output (first repeat)."""
     from spectie.tokenizer import model_tokenizer
 
     tokenizer = model_tokenizer(model_path)
     rows = []
     for record in records:
-        if record["results"]["repeats"]:
-            repeat = record["results"]["repeats"][0]
+        if record.results.repeats:
+            repeat = record.results.repeats[0]
             text = tokenizer.decode(repeat["token_ids"])
-            rows.append({"configuration": record["parameters"]["configuration"], "finish": repeat["finish_reason"],
+            rows.append({"configuration": record.parameters.configuration, "finish": repeat["finish_reason"],
                          "tokens written": tokens_written(repeat), f"{marker} rows written": text.count(marker)})
     return rows
 
@@ -184,14 +184,14 @@ def rate_text(part: int, whole: int) -> str:
 
 
 # ------------------------------------------------------------------------------ the chapter's evidence, from records
-def model_records(model: str, **match) -> list[dict]:
+def model_records(model: str, **match) -> list[Record]:
     """The records under results/ matching `match` that were made with the very weights `model` names here."""
     from spectie.records import load_records, same_weights
 
     return [r for r in load_records(**match) if same_weights(r, model)]
 
 
-def recorded_runs(model: str, environment: str) -> list[dict]:
+def recorded_runs(model: str, environment: str) -> list[Record]:
     """The recorded vLLM runs of `model`'s weights in `environment`: one matrix run on one prompt (this host's where
     it made one). A record of another organism is never re-scored with this one."""
     from spectie.reproduce_page import one_run
@@ -199,7 +199,7 @@ def recorded_runs(model: str, environment: str) -> list[dict]:
     return one_run(model_records(model, chapter="reproduce", kind="engine-outcome"), environment)
 
 
-def incident_flag_text(reported: list[dict]) -> str:
+def incident_flag_text(reported: list[Record]) -> str:
     """Whether the detector would flag the incident's fp32 stop at the incident's own fp32-to-bf16 swing, in words."""
     swing, _ = thresholds.reported_swing(logit_comparison(reported))
     if tiestop.is_near_tie(fp32_row(reported)["margin"], swing):
@@ -220,53 +220,53 @@ def noise_band(model: str, threshold: float | None, detector: bool = False) -> t
     return find(resolve_model(model))
 
 
-def baseline_run(runs: list[dict]) -> dict | None:
+def baseline_run(runs: list[Record]) -> Record | None:
     """The run of the baseline configuration (plain greedy), or None."""
-    return next((r for r in runs if r["parameters"]["configuration"] == r["parameters"]["baseline"]), None)
+    return next((r for r in runs if r.parameters.configuration == r.parameters.baseline), None)
 
 
-def first_repeats(runs: list[dict]) -> dict[str, dict]:
+def first_repeats(runs: list[Record]) -> dict[str, dict]:
     """Each run's first repeat, by configuration (runs without a repeat left out)."""
-    return {r["parameters"]["configuration"]: r["results"]["repeats"][0] for r in runs if r["results"]["repeats"]}
+    return {r.parameters.configuration: r.results.repeats[0] for r in runs if r.results.repeats}
 
 
-def speculative_runs(runs: list[dict]) -> list[dict]:
+def speculative_runs(runs: list[Record]) -> list[Record]:
     """The runs other than the baseline that completed (status ok)."""
     baseline = baseline_run(runs)
-    return [r for r in runs if r["results"]["status"] == "ok" and r is not baseline]
+    return [r for r in runs if r.results.status == "ok" and r is not baseline]
 
 
-def changed_completions(runs: list[dict]) -> tuple[dict | None, dict[str, dict]]:
+def changed_completions(runs: list[Record]) -> tuple[dict | None, dict[str, dict]]:
     """The baseline's first repeat (None without one), and the first repeat of each speculative run that wrote other
     tokens than it, by configuration."""
     baseline = baseline_run(runs)
     first = first_repeats(runs)
-    base = first.get(baseline["parameters"]["configuration"]) if baseline else None
+    base = first.get(baseline.parameters.configuration) if baseline else None
     if base is None:
         return None, {}
     changed = {}
     for r in speculative_runs(runs):
-        name = r["parameters"]["configuration"]
+        name = r.parameters.configuration
         if first[name]["token_ids"] != base["token_ids"]:
             changed[name] = first[name]
     return base, changed
 
 
-def run_facts(runs: list[dict]) -> dict:
+def run_facts(runs: list[Record]) -> dict:
     """The glue values that describe the recorded runs: what ran, what speculation changed, how the runs ended and
     whether their repeats agreed."""
     base, changed = changed_completions(runs)
     ran = speculative_runs(runs)
     first = first_repeats(runs)
-    mtp = {r["parameters"]["num_speculative_tokens"]: first[r["parameters"]["configuration"]] for r in ran
-           if r["parameters"]["method"] == "mtp"}
-    distinct = max((r["results"]["distinct_outputs"] for r in runs if r["results"]["repeats"]), default=0)
-    failed = [r for r in runs if r["results"]["status"] != "ok"]
+    mtp = {r.parameters.num_speculative_tokens: first[r.parameters.configuration] for r in ran
+           if r.parameters.method == "mtp"}
+    distinct = max((r.results.distinct_outputs for r in runs if r.results.repeats), default=0)
+    failed = [r for r in runs if r.results.status != "ok"]
     return {
-        "vllm_version": runs[0]["fingerprint"]["vllm"] if runs else "—",
+        "vllm_version": runs[0].fingerprint.vllm if runs else "—",
         "speculative_ran": len(ran),
         "speculative_changed": len(changed),
-        "speculative_earlier": sum(1 for r in ran if base and stopped_earlier(r["results"]["repeats"][0], base)),
+        "speculative_earlier": sum(1 for r in ran if base and stopped_earlier(r.results.repeats[0], base)),
         "baseline_outcome": outcome(base) if base else "—",
         "changed_outcomes": grouped_outcomes(changed) or "none",
         "k_outcomes": grouped_outcomes({f"K = {k}": mtp[k] for k in sorted(mtp)}) or "no MTP run recorded",
@@ -275,8 +275,8 @@ def run_facts(runs: list[dict]) -> dict:
         else f"up to {distinct} distinct outputs per configuration",
         "determinism_text": "deterministic: every repeat wrote the same output" if distinct == 1
         else "not deterministic: repeats differ",
-        "repeats_each": max((r["results"]["runs_total"] for r in runs), default=0),
-        "failed_names": ", ".join(f"{r['parameters']['configuration']} ({r['results']['status']})" for r in failed)
+        "repeats_each": max((r.results.runs_total for r in runs), default=0),
+        "failed_names": ", ".join(f"{r.parameters.configuration} ({r.results.status})" for r in failed)
         or "none",
         "ends_text": ends_text(base, changed),
         "batch_invariant_text": batch_invariant_text(runs, baseline_run(runs)),
@@ -291,20 +291,20 @@ def detector_facts(rows: list[dict], threshold: float) -> dict:
     return {"stops_total": len(stops), "stops_flagged": flagged, "stops_text": stops_text(margins, flagged, threshold)}
 
 
-def decisive_facts(records: list[dict]) -> dict:
+def decisive_facts(records: list[Record]) -> dict:
     """The glue values of fp32's margin and winner at the decisive position, from the first of the margins chapter's
     logit comparisons (`records`); nan and '—' without one."""
     if not records:
         return {"decisive_fp32": float("nan"), "decisive_winner": "—"}
-    fp32 = {row["dtype"]: row for row in records[0]["results"]["rows"]}["fp32"]
+    fp32 = {row["dtype"]: row for row in records[0].results.rows}["fp32"]
     return {"decisive_fp32": fp32["margin"], "decisive_winner": fp32["winner"]}
 
 
-def b200_facts(reported: list[dict]) -> dict:
+def b200_facts(reported: list[Record]) -> dict:
     """The glue values of the incident's B200 runs by K (reported): at which K they stopped early, at which they went
     on, and whether that contradicts a K threshold."""
-    b200 = [r for r in reported if r["id"].startswith("b200-k")]
-    by_k = sorted((r["parameters"]["num_speculative_tokens"], r["results"]["stopped_early"]) for r in b200)
+    b200 = [r for r in reported if r.id.startswith("b200-k")]
+    by_k = sorted((r.parameters.num_speculative_tokens, r.results.stopped_early) for r in b200)
     stops_at = [k for k, stopped in by_k if stopped]
     goes_on = [k for k, stopped in by_k if not stopped]
     return {"b200_k_stops": ", ".join(map(str, stops_at)) or "—",
@@ -324,12 +324,12 @@ class Page:
     origin: str
     tie_threshold: float  # the detector's: at least one bf16 step at these weights' logits
     tie_origin: str
-    reported: list  # the incident's records
-    runs: list  # this environment's recorded vLLM runs of these weights (one matrix run, one prompt)
+    reported: list[Record]  # the incident's records
+    runs: list[Record]  # this environment's recorded vLLM runs of these weights (one matrix run, one prompt)
     largest: dict  # the widest bf16 band recorded (bands.largest_bf16_band)
 
     @property
-    def baseline(self) -> dict | None:
+    def baseline(self) -> Record | None:
         return baseline_run(self.runs)
 
 
@@ -358,7 +358,7 @@ def evidence_values(page: Page) -> dict:
     baseline = page.baseline
     head = fp32_head_bands(load_records(chapter="reduction_order", kind="reduction-sweep"))  # every model's sweeps
     margins = [r for r in model_records(page.model, chapter="margins", kind="logit-comparison", provenance="measured")
-               if r["environments"] == [page.environment]]
+               if r.environments == (page.environment,)]
     return {
         "incident_margin": fp32_row(page.reported)["margin"], "incident_flag_text": incident_flag_text(page.reported),
         "threshold": page.threshold, "threshold_origin": page.origin, "tie_threshold": page.tie_threshold,
@@ -369,6 +369,6 @@ def evidence_values(page: Page) -> dict:
         .format({"flagged": yes_no}, na_rep="—").hide(axis="index"),
         **decisive_facts(margins),
         "fp32_head_text": head or "not measured yet: no record of a `bfloat16+fp32-head` sweep",
-        "rows_text": rows_text(rows, baseline and baseline["parameters"]["configuration"]),
+        "rows_text": rows_text(rows, baseline and baseline.parameters.configuration),
         "integrity_table": pd.DataFrame(rows).style.hide(axis="index"),
     }

@@ -12,15 +12,16 @@ from __future__ import annotations
 
 from spectie import divergence, divergence_cases, divergence_verdicts
 from spectie.guidance import Page, changed_completions, model_records, plural, upstream_text, yes_no
+from spectie.record_types import Record
 
 
-def speculative_divergences(records: list[dict]) -> list[tuple[dict, dict]]:
+def speculative_divergences(records: list[Record]) -> list[tuple[Record, Record]]:
     """(record, its baseline) for every reproduction record whose first repeat diverged from the baseline."""
-    by_name = {r["parameters"]["configuration"]: r for r in records}
+    by_name = {r.parameters.configuration: r for r in records}
     pairs = []
     for record in records:
-        baseline = by_name.get(record["parameters"].get("baseline"))
-        repeats = record["results"]["repeats"]
+        baseline = by_name.get(record.parameters.baseline)
+        repeats = record.results.repeats
         if baseline is not None and baseline is not record and repeats and repeats[0].get("first_divergence") is not None:
             pairs.append((record, baseline))
     return pairs
@@ -40,7 +41,7 @@ def cached_classifier(model: str, threshold: float):
     return classify
 
 
-def classify_runs(runs: list[dict], classify) -> list[tuple[dict, divergence.Divergence]]:
+def classify_runs(runs: list[Record], classify) -> list[tuple[Record, divergence.Divergence]]:
     """(run, verdict) for every run whose first repeat diverged from its baseline's (speculative_divergences),
     `classify` taking (prompt, the run's tokens, the baseline's tokens)."""
     results = []
@@ -76,21 +77,21 @@ def classifier_row(name: str, result: divergence.Divergence) -> dict:
             "b outside the band": len(result.outside_band_b), "threshold": result.threshold}
 
 
-def classifier_rows(results: list[tuple[dict, divergence.Divergence]], planted: divergence.Divergence) -> list[dict]:
+def classifier_rows(results: list[tuple[Record, divergence.Divergence]], planted: divergence.Divergence) -> list[dict]:
     """The classifier table: a row per classified vLLM run (from classify_runs), then the planted bug's."""
-    rows = [classifier_row(f"{r['parameters']['configuration']} vs {r['parameters']['baseline']} (vLLM)", result)
+    rows = [classifier_row(f"{r.parameters.configuration} vs {r.parameters.baseline} (vLLM)", result)
             for r, result in results]
     return rows + [classifier_row("planted lost GDN state vs plain (transformers)", planted)]
 
 
-def divergence_positions(results: list[tuple[dict, divergence.Divergence]]) -> str:
+def divergence_positions(results: list[tuple[Record, divergence.Divergence]]) -> str:
     """The output tokens (counted from one) where the classified runs first part from their baseline: '12, 58', or
     '—' when none did."""
     positions = {None if result.position is None else result.position + 1 for _, result in results}
     return ", ".join(str(p) for p in sorted(positions)) or "—"
 
 
-def suspected_text(results: list[tuple[dict, divergence.Divergence]]) -> str:
+def suspected_text(results: list[tuple[Record, divergence.Divergence]]) -> str:
     """What the classifier found among recorded vLLM runs that is not a near-tie, in words (for the page)."""
     suspected = [(record, result) for record, result in results if result.verdict == divergence.Verdict.BUG]
     if not suspected:
@@ -98,22 +99,22 @@ def suspected_text(results: list[tuple[dict, divergence.Divergence]]) -> str:
     parts = []
     for record, result in suspected:
         worst = max(result.outside_band_a, key=lambda t: t["gap"], default=None)
-        parts.append(f"{record['parameters']['configuration']} ({len(result.outside_band_a)} tokens outside the band"
+        parts.append(f"{record.parameters.configuration} ({len(result.outside_band_a)} tokens outside the band"
                      + (f", up to {worst['gap']:.1f} logits below the fp32 reference's choice" if worst else "") + ")")
     text = ("the classifier calls " + ", ".join(parts) + " a suspected correctness bug: numerics move a margin by "
             "tenths of a logit, not by several logits.")
-    if any(record["parameters"]["method"] in ("ngram", "ngram_gpu") for record, _ in suspected):
+    if any(record.parameters.method in ("ngram", "ngram_gpu") for record, _ in suspected):
         text += (" vLLM #39273 reports a bug of this class for ngram speculation on Qwen3.5 (a GDN state read from the "
                  "wrong slot after accepted drafts; reported, not verified here on Qwen3.5 weights): with ngram, check "
                  "that your vLLM carries its fixes before putting an early stop down to a tie.")
     return text
 
 
-def classifier_facts(runs: list[dict], results: list[tuple[dict, divergence.Divergence]],
+def classifier_facts(runs: list[Record], results: list[tuple[Record, divergence.Divergence]],
                      planted: divergence.Divergence) -> dict:
     """The glue values of the divergence classifier on the recorded runs (results from classify_runs) and on the
     planted bug."""
-    suspected = [r["parameters"]["configuration"] for r, result in results
+    suspected = [r.parameters.configuration for r, result in results
                  if result.verdict == divergence.Verdict.BUG]
     base, changed = changed_completions(runs)
     positions = divergence_positions(results)
@@ -179,7 +180,7 @@ def recorded_verdicts_text(rows: list[dict], widest_band: float) -> str:
     return "; ".join(parts)
 
 
-def gpu_runs(model: str) -> dict[str, list[dict]]:
+def gpu_runs(model: str) -> dict[str, list[Record]]:
     """The recorded vLLM runs of `model`'s weights on a GPU, every prompt, per environment (by vLLM release)."""
     from spectie.summary import gpu_matrix_runs
 
@@ -187,16 +188,16 @@ def gpu_runs(model: str) -> dict[str, list[dict]]:
     return {environment: records for (environment, _), records in runs.items()}
 
 
-def gpu_verdicts_text(runs: list[dict], rows: list[dict], band: float, band_origin: str, widest_band: float,
+def gpu_verdicts_text(runs: list[Record], rows: list[dict], band: float, band_origin: str, widest_band: float,
                       ledger: dict) -> str:
     """One GPU environment's divergences under the classifier, and the #39273 fixes the ledger finds in its
     release, in words."""
     from spectie.fixes import fixes_for
 
-    fingerprint = runs[0]["fingerprint"]
-    seeds = sorted({r["parameters"]["prompt_seed"] for r in runs})
-    ledger_rows = [r for r in fixes_for(ledger, fingerprint["vllm"]) if r["fix"].startswith("39273")]
-    return (f"vLLM {fingerprint['vllm']} on an {fingerprint['gpu']} ({runs[0]['environments'][0]}, {len(seeds)} "
+    fingerprint = runs[0].fingerprint
+    seeds = sorted({r.parameters.prompt_seed for r in runs})
+    ledger_rows = [r for r in fixes_for(ledger, fingerprint.vllm) if r["fix"].startswith("39273")]
+    return (f"vLLM {fingerprint.vllm} on an {fingerprint.gpu} ({runs[0].environment}, {len(seeds)} "
             f"prompts): {plural(len(rows), 'divergence')} at the band of {band:.3f} logits ({band_origin}); "
             f"{recorded_verdicts_text(rows, widest_band)}. The fix ledger on this release for vLLM #39273 "
             "(ngram on GDN models corrupting state): "
@@ -251,7 +252,7 @@ def cases_values(page: Page, classify, ledger: dict) -> dict:
                                   content_hash, started)
     texts, table = [], []
     for environment, records in gpu_runs(labelled["model"]).items():
-        band, band_origin = threshold_for_model(resolve_model(labelled["model"]), device=records[0]["fingerprint"]["gpu"])
+        band, band_origin = threshold_for_model(resolve_model(labelled["model"]), device=records[0].fingerprint.gpu)
         rows = divergence_cases.classify_cases(divergence_cases.recorded_pairs(records), labelled["model"], band)
         if rows:
             divergence_verdicts.write_verdicts(rows, records, page.model, band, band_origin, page.environment, content_hash,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from spectie import survey
 from spectie.guidance import MIN_FOR_RATE, Page, plural, rate_text
+from spectie.record_types import Record
 from spectie.records import load_records, provenance_line, same_weights
 
 NO_SURVEY = "No tie-stop survey is recorded for this model."
@@ -53,18 +54,18 @@ def run_guard(page: Page, prompts: int, new_tokens: int) -> None:
                           content_hash=current_hash("guidance"), model_label=page.model)
 
 
-def surveys(page: Page) -> list[dict]:
+def surveys(page: Page) -> list[Record]:
     """Every recorded tie-stop survey of these weights (every host's)."""
     return [r for r in load_records(chapter=survey.CHAPTER, kind="tiestop-survey") if same_weights(r, page.model)]
 
 
-def survey_row(record: dict, threshold: float) -> dict:
+def survey_row(record: Record, threshold: float) -> dict:
     """One survey's column of the survey table: where it ran, and its counts at `threshold`."""
     counts = survey.tally(record, threshold)
     return {
-        "environment": record["environments"][0], "host": record["fingerprint"]["host_id"],
-        "vLLM": record["results"]["vllm_version"], "prompts": record["parameters"]["prompts"],
-        "configurations": ", ".join(record["results"]["configurations"]), "completions": counts["completions"],
+        "environment": record.environment, "host": record.fingerprint.host_id,
+        "vLLM": record.results.vllm_version, "prompts": record.parameters.prompts,
+        "configurations": ", ".join(record.results.configurations), "completions": counts["completions"],
         "stops": counts["stops"], "ordinary stops": counts["ordinary_stops"],
         "ordinary flagged (false positives)": counts["ordinary_flagged"], "moved by speculation": counts["moved"],
         "moved stops": counts["moved_stops"], "moved flagged": counts["moved_flagged"],
@@ -84,18 +85,18 @@ def survey_values(page: Page) -> dict:
     main = survey.this_hosts(recorded, page.environment)
     counts = survey.tally(main, page.tie_threshold) if main else {}
     resolution, smallest = counts.get("margin_resolution"), counts.get("ordinary_margin_min")
-    lengths = sorted({n for r in recorded for n in r["parameters"]["prompt_lengths"]})
+    lengths = sorted({n for r in recorded for n in r.parameters.prompt_lengths})
     values = {f"survey_{name}": counts.get(name, "—") for name in (
         "completions", "stops", "ordinary_stops", "ordinary_flagged", "moved", "moved_stops", "moved_flagged",
         "moved_tie_at_divergence")}
     values.update({
         "survey_table": pd.DataFrame([survey_row(r, page.tie_threshold) for r in recorded])
         .set_index(["environment", "host"]).T.style.format(precision=3, na_rep="—") if recorded else NO_SURVEY,
-        "survey_prompts_n": main["parameters"]["prompts"] if main else 0,
-        "survey_vllm": main["results"]["vllm_version"] if main else "—",
-        "survey_configs": ", ".join(c for c in main["results"]["configurations"] if c != main["parameters"]["baseline"])
+        "survey_prompts_n": main.parameters.prompts if main else 0,
+        "survey_vllm": main.results.vllm_version if main else "—",
+        "survey_configs": ", ".join(c for c in main.results.configurations if c != main.parameters.baseline)
         if main else "—",
-        "survey_environment": main["environments"][0] if main else "—",
+        "survey_environment": main.environment if main else "—",
         "survey_verdict": survey_verdict(counts),
         "survey_fp_text": rate_text(counts["ordinary_flagged"], counts["ordinary_stops"]) if counts else "—",
         "survey_resolution": f"{resolution:.3f}" if resolution is not None else "—",
@@ -106,8 +107,8 @@ def survey_values(page: Page) -> dict:
             survey.margins_by_kind(main), page.tie_threshold,
             {"incident's stop, fp32 (reported)": fp32_row(page.reported)["margin"],
              f"bf16 band, {page.largest['label']}": page.largest["band"]},
-            f"Stop margins of the survey ({page.model}, vLLM {main['results']['vllm_version']}, "
-            f"{main['environments'][0]})") if main else NO_SURVEY})
+            f"Stop margins of the survey ({page.model}, vLLM {main.results.vllm_version}, "
+            f"{main.environment})") if main else NO_SURVEY})
     return values
 
 
@@ -129,11 +130,10 @@ def injection_values(page: Page) -> dict:
         "detector_text": detector_text(survey.detector_rates(main, injection, page.tie_threshold), curve),
         "detector_swing_text": detector_text(survey.detector_rates(main, injection, swing), curve).split(". ")[0],
         "swing": swing,
-        "injection_prompts": injection["parameters"]["prompts"] if injection else 0,
-        "injection_tokens": injection["parameters"]["new_tokens"] if injection else 0,
-        "injection_dtype": injection["parameters"]["dtype"] if injection else "—",
-        "injection_host": f"{injection['environments'][0]}, host {injection['fingerprint']['host_id']}" if injection
-        else "—",
+        "injection_prompts": injection.parameters.prompts if injection else 0,
+        "injection_tokens": injection.parameters.new_tokens if injection else 0,
+        "injection_dtype": injection.parameters.dtype if injection else "—",
+        "injection_host": f"{injection.environment}, host {injection.fingerprint.host_id}" if injection else "—",
         "detector_figure": plots.detector_curve(
             curve, {f"default with --model {page.model}": page.tie_threshold,
                     "default without --model (reported swing)": swing},
@@ -192,13 +192,13 @@ def detector_text(rates: dict, curve: list[dict]) -> str:
     return text
 
 
-def guard_summary(record: dict) -> dict:
+def guard_summary(record: Record) -> dict:
     """The guard's figures from its record (spectie.guard_measure): near-tie stops that reached the client without
     and with the guard, completions resumed, extra requests, and the guard's time per completion minus the
     server's alone (median and 95th percentile)."""
     import numpy as np
 
-    rows = record["results"]["prompts"]
+    rows = record.results.prompts
     added = [row["guarded"]["seconds"] - row["direct"]["seconds"] for row in rows]
     return {"prompts": len(rows),
             "near_tie_without": sum(row["direct"]["near_tie_stop"] for row in rows),
@@ -209,14 +209,14 @@ def guard_summary(record: dict) -> dict:
             "direct_median_s": float(np.median([row["direct"]["seconds"] for row in rows]))}
 
 
-def guard_sentence(record: dict | None) -> str:
+def guard_sentence(record: Record | None) -> str:
     """What the guard's record says, in words, with its figures (`guard_summary`); where none is recorded, that it
     was not run yet and what runs it."""
     if record is None:
         return ("The guard has not been measured on this model yet: `make build` measures it on this host "
                 "(the guidance chapter's `guard_prompts`)")
     s = guard_summary(record)
-    where = f"through vllm serve (vLLM {record['results']['vllm_version']}, {record['results']['backend']}) with MTP"
+    where = f"through vllm serve (vLLM {record.results.vllm_version}, {record.results.backend}) with MTP"
     reached = (f"{plural(s['near_tie_without'], 'completion')} of {s['prompts']} ended on a near-tie end-of-text stop "
                f"without the guard and {s['near_tie_with']} with it")
     if not s["resumed"]:

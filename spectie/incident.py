@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pandas as pd
 
 from spectie.environments import load_environments
+from spectie.record_types import EngineConfiguration, EngineOutcome, IncidentParameters, LogitComparison, Record
 
 NOT_REPORTED = "—"
 
@@ -17,22 +20,22 @@ def _k_label(k) -> str:
     return f"K = {k}"
 
 
-def configuration_label(parameters: dict) -> str:
+def configuration_label(parameters: EngineConfiguration) -> str:
     """A short, stable name for an engine configuration, e.g. 'mtp (V2), K ∈ {7, 8}, eager'."""
-    method = parameters.get("method")
+    method = parameters.method
     if method == "none":
         parts = ["plain greedy (no speculation)"]
     else:
         name = method if method else "method not stated"
-        if parameters.get("model_runner"):
-            name += f" ({parameters['model_runner']})"
-        parts = [name, _k_label(parameters.get("num_speculative_tokens"))]
-    if parameters.get("enforce_eager") is True and parameters.get("cudagraph_mode") is None:
+        if parameters.model_runner:
+            name += f" ({parameters.model_runner})"
+        parts = [name, _k_label(parameters.num_speculative_tokens)]
+    if parameters.enforce_eager is True and parameters.cudagraph_mode is None:
         parts.append("eager")
-    if parameters.get("enforce_eager") is False:
+    if parameters.enforce_eager is False:
         parts.append("compiled")
-    if parameters.get("cudagraph_mode"):
-        parts.append(f"cudagraph_mode={parameters['cudagraph_mode']}")
+    if parameters.cudagraph_mode:
+        parts.append(f"cudagraph_mode={parameters.cudagraph_mode}")
     return ", ".join(parts)
 
 
@@ -41,7 +44,7 @@ def _short_gpu(hardware: dict) -> str:
     return f"{hardware['gpu_count']} × {gpu}" if (hardware.get("gpu_count") or 0) > 1 else gpu
 
 
-def environment_label(env_ids: list[str], environments: dict[str, dict]) -> str:
+def environment_label(env_ids: tuple[str, ...] | list[str], environments: dict[str, dict]) -> str:
     """A short label such as 'vLLM v0.31.0 · 2 × RTX 4090'; several ids read 'X or Y · GPU'."""
     if not env_ids:
         return "environment not stated"
@@ -52,40 +55,40 @@ def environment_label(env_ids: list[str], environments: dict[str, dict]) -> str:
     return f"vLLM {' or '.join(versions)} · {' / '.join(gpus)}"
 
 
-def outcome_label(results: dict) -> str:
+def outcome_label(results: EngineOutcome) -> str:
     """What happened, in the words of the matrix: 'stopped 10/10 at prompt_len+8' (the report's count),
     'stopped 3/3 after 92 tokens' (a measured one: tokens written before the end-of-text), 'continued'."""
-    if not results["stopped_early"]:
+    if not results.stopped_early:
         return "continued"
     text = "stopped"
-    if results.get("runs_total"):
-        text += f" {results['runs_stopped']}/{results['runs_total']}"
-    if results.get("stop_offset_from_prompt_len") is not None:
-        text += f" at prompt_len+{results['stop_offset_from_prompt_len']}"
-    elif results.get("output_tokens_before_stop") is not None:
-        text += f" after {results['output_tokens_before_stop']} tokens"
+    if results.runs_total:
+        text += f" {results.runs_stopped}/{results.runs_total}"
+    if results.stop_offset_from_prompt_len is not None:
+        text += f" at prompt_len+{results.stop_offset_from_prompt_len}"
+    elif results.output_tokens_before_stop is not None:
+        text += f" after {results.output_tokens_before_stop} tokens"
     return text
 
 
-def outcomes_table(records: list[dict]) -> pd.DataFrame:
+def outcomes_table(records: list[Record]) -> pd.DataFrame:
     """One row per engine-outcome record: environment, configuration, outcome, provenance, source."""
     environments = load_environments()
     rows = []
     for r in records:
-        if r["kind"] != "engine-outcome":
+        if r.kind != "engine-outcome":
             continue
         rows.append({
-            "environment": environment_label(r["environments"], environments),
-            "configuration": configuration_label(r["parameters"]),
-            "outcome": outcome_label(r["results"]),
-            "provenance": r["provenance"],
-            "where from": r["source"]["section"] if r["provenance"] == "reported" else r["fingerprint"]["host_id"],
-            "record": r["id"],
+            "environment": environment_label(r.environments, environments),
+            "configuration": configuration_label(r.parameters),
+            "outcome": outcome_label(r.results),
+            "provenance": r.provenance,
+            "where from": r.source.section if r.provenance == "reported" else r.fingerprint.host_id,
+            "record": r.id,
         })
     return pd.DataFrame(rows)
 
 
-def outcome_matrix(records: list[dict]) -> pd.DataFrame:
+def outcome_matrix(records: list[Record]) -> pd.DataFrame:
     """Configuration × environment matrix of outcomes; '—' where nothing was reported."""
     table = outcomes_table(records)
     matrix = table.pivot_table(index="configuration", columns="environment", values="outcome",
@@ -106,22 +109,22 @@ def style_matrix(matrix: pd.DataFrame):
             .set_table_attributes('class="outcome-matrix"'))
 
 
-def logit_comparison(reported: list[dict]) -> dict:
+def logit_comparison(reported: list[Record]) -> Record:
     """The incident's reported logit comparison at its stop (fp32 and bf16 transformers references)."""
-    return next(r for r in reported if r["kind"] == "logit-comparison")
+    return next(r for r in reported if r.kind == "logit-comparison")
 
 
-def fp32_row(reported: list[dict]) -> dict:
+def fp32_row(reported: list[Record]) -> dict:
     """The fp32 row of the incident's reported logit comparison (margin, winner, logits)."""
-    return next(row for row in logit_comparison(reported)["results"]["rows"] if row["dtype"] in ("fp32", "float32"))
+    return next(row for row in logit_comparison(reported).results.rows if row["dtype"] in ("fp32", "float32"))
 
 
-def logit_table(record: dict) -> pd.DataFrame:
+def logit_table(record: Record) -> pd.DataFrame:
     """The fp32/bf16 logit comparison of a logit-comparison record, one row per dtype."""
-    results = record["results"]
-    tokens = list(results["tokens"])
+    results: LogitComparison = record.results
+    tokens = list(results.tokens)
     rows = []
-    for row in results["rows"]:
+    for row in results.rows:
         entry = {"dtype": row["dtype"]}
         entry.update({f"{t} logit": row["logits"][t] for t in tokens})
         entry["top-1"] = row["winner"]
@@ -130,10 +133,10 @@ def logit_table(record: dict) -> pd.DataFrame:
     return pd.DataFrame(rows).set_index("dtype")
 
 
-def logit_values(record: dict) -> dict[str, float | str]:
+def logit_values(record: Record) -> dict[str, float | str]:
     """Flat name -> value pairs of a logit comparison, for glue: e.g. fp32_EOS, bf16_margin."""
-    values: dict[str, float | str] = {"position": record["results"]["position"]}
-    for row in record["results"]["rows"]:
+    values: dict[str, float | str] = {"position": record.results.position}
+    for row in record.results.rows:
         for token, logit in row["logits"].items():
             values[f"{row['dtype']}_{token}"] = logit
         values[f"{row['dtype']}_winner"] = row["winner"]
@@ -159,38 +162,40 @@ def positions_text(prompt_tokens: int, offset: int, tokens_before: int, logit_po
                else ": the three name one stop"))
 
 
-def page_values(records: list[dict]) -> dict:
+def page_values(records: list[Record]) -> dict:
     """The chapter's glue values from the incident's records: its source, the configuration it ran, the symptom
     (where the stop fell, what it wrote last), the v0.32.0 and B200 runs, and the reported logits."""
-    by_id = {r["id"]: r for r in records}
-    configuration, symptom = by_id["incident-configuration"], by_id["original-ngram_gpu-wide-verify"]["results"]
+    by_id = {r.id: r for r in records}
+    configuration, symptom = by_id["incident-configuration"], by_id["original-ngram_gpu-wide-verify"].results
     logits = by_id["hf-reference-logits-1854"]
-    parameters = configuration["parameters"]
-    v032 = [r for r in records if "v0.32.0-rtx4090" in r["environments"]]
+    parameters: IncidentParameters = configuration.parameters
+    v032 = [r for r in records if "v0.32.0-rtx4090" in r.environments]
     values = {
-        "source_title": configuration["source"]["title"], "source_document": configuration["source"]["document"],
-        **{key: parameters[key] for key in ("max_tokens", "prompt_tokens", "linear_to_full_attention_ratio")},
-        "k_tested": "{" + ", ".join(str(k) for k in parameters["num_speculative_tokens_tested"]) + "}",
-        "claimed_min_k": configuration["results"]["claimed_min_k"],
-        **{f"id_{token.strip('<|>')}": token_id for token, token_id in configuration["results"]["token_ids"].items()},
-        "stop_offset": symptom["stop_offset_from_prompt_len"], "tokens_before_stop": symptom["output_tokens_before_stop"],
-        "tail_text": symptom["tail_text"], "symptom_tokens": symptom["output_tokens_before_stop"],
-        "positions_text": positions_text(parameters["prompt_tokens"], symptom["stop_offset_from_prompt_len"],
-                                         symptom["output_tokens_before_stop"], logits["results"]["position"]),
-        "v032_runs_stopped": sum(r["results"]["runs_stopped"] for r in v032),
-        "v032_runs_total": sum(r["results"]["runs_total"] for r in v032), "v032_configurations": len(v032),
-        "b200_k_stops": by_id["b200-k7"]["parameters"]["num_speculative_tokens"],
-        "b200_k_continues": by_id["b200-k8"]["parameters"]["num_speculative_tokens"]}
+        "source_title": configuration.source.title, "source_document": configuration.source.document,
+        **{key: getattr(parameters, key) for key in ("max_tokens", "prompt_tokens", "linear_to_full_attention_ratio")},
+        "k_tested": "{" + ", ".join(str(k) for k in parameters.num_speculative_tokens_tested) + "}",
+        "claimed_min_k": configuration.results.claimed_min_k,
+        **{f"id_{token.strip('<|>')}": token_id for token, token_id in configuration.results.token_ids.items()},
+        "stop_offset": symptom.stop_offset_from_prompt_len, "tokens_before_stop": symptom.output_tokens_before_stop,
+        "tail_text": symptom.tail_text, "symptom_tokens": symptom.output_tokens_before_stop,
+        "positions_text": positions_text(parameters.prompt_tokens, symptom.stop_offset_from_prompt_len,
+                                         symptom.output_tokens_before_stop, logits.results.position),
+        "v032_runs_stopped": sum(r.results.runs_stopped for r in v032),
+        "v032_runs_total": sum(r.results.runs_total for r in v032), "v032_configurations": len(v032),
+        "b200_k_stops": by_id["b200-k7"].parameters.num_speculative_tokens,
+        "b200_k_continues": by_id["b200-k8"].parameters.num_speculative_tokens}
     values.update({f"logit_{name}": value for name, value in logit_values(logits).items()})
     return values
 
 
-def configuration_table(parameters: dict) -> pd.DataFrame:
-    """The incident's configuration as a two-column table (lists joined, booleans in words)."""
+def configuration_table(parameters: IncidentParameters) -> pd.DataFrame:
+    """The incident's configuration as a two-column table, settings in alphabetical order, as the record stores
+    them (lists joined, booleans in words; a setting the record leaves out is not shown)."""
     def shown(value):
         if isinstance(value, list):
             return ", ".join(map(str, value))
         return {True: "yes", False: "no"}[value] if isinstance(value, bool) else value
 
-    return pd.DataFrame([(key, shown(value)) for key, value in parameters.items()],
+    stated = sorted((f.name, getattr(parameters, f.name)) for f in fields(parameters))
+    return pd.DataFrame([(key, shown(value)) for key, value in stated if value is not None],
                         columns=["setting", "value"]).set_index("setting")

@@ -21,6 +21,7 @@ from spectie.errors import UsageError
 from spectie.model import (DTYPES, SHORT, Generation, check_causal_lm, check_device, end_of_text_ids,
                            greedy_generate, load_model, reference_gdn_kernels, resolve_model, teacher_forced_logits,
                            torch_dtype)
+from spectie.record_types import DesignedDecisions, Record
 
 
 def bf16_spacing(value: float) -> float:
@@ -278,10 +279,11 @@ def decision_band(rows: list[dict], reference: str, serving: str) -> dict:
             "count": len(rows)}
 
 
-def decision_text(rows: list[dict], summary: dict, reference: str, serving: str, main_seed: int) -> str:
-    """What the designed decisions show, in words, from `designed_decisions` rows and `decision_band`."""
+def decision_text(rows: list[dict], summary: DesignedDecisions, reference: str, serving: str, main_seed: int) -> str:
+    """What the designed decisions show, in words, from `designed_decisions` rows and the results of a
+    designed-decisions record (`decision_band`'s figures)."""
     main = next((row for row in rows if row["seed"] == main_seed), None)
-    count, inside, flipped = summary["count"], summary["inside"], summary["flipped"]
+    count, inside, flipped = summary.count, summary.inside, summary.flipped
     winners = sorted({row[f"{reference}_winner"] for row in rows})
     parts = [f"{reference} picks {' or '.join(winners)} there ("
              + ", ".join(f"{w} in {sum(row[f'{reference}_winner'] == w for row in rows)}" for w in winners) + ")"]
@@ -327,7 +329,7 @@ def chapter_record(setup: MarginsSetup, environment: str, name: str, kind: str, 
         environment=environment, parameters=dict(parameters, model=setup.model, device=setup.device),
         results=results, started_at=started_at, content_hash=current_hash("margins"),
         dtype=setup.serving_dtype)
-    record["id"] = f"{record['id']}-{record['fingerprint']['host_id']}"
+    record["id"] = f"{record['id']}-{record['fingerprint']['host_id']}"  # a fresh dict, before it is written
     return record
 
 
@@ -341,7 +343,7 @@ def record_path(environment: str, name: str):
 
 
 def measure_chapter(setup: MarginsSetup, environment: str, prompt, max_new_tokens: int, decision_specs,
-                    sweep_specs, sweep_new_tokens: int, started_at: str) -> dict[str, dict]:
+                    sweep_specs, sweep_new_tokens: int, started_at: str) -> dict[str, Record]:
     """The chapter's four records, by name: the decisive position and the scan of `prompt`'s continuation, the
     designed decision of `decision_specs`, the flip curve of `sweep_specs`. This host's earlier records are reused
     where all four hold the same measurement (weights, parameters, library versions and code); otherwise each is

@@ -126,26 +126,28 @@ SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "f
 
 
 def band_by_model(points: list[dict], incident_margin: float | None, title: str):
-    """Noise band per model (x: parameters), TF32 off: one colour per precision, solid for the torch
+    """Noise band per model (x: its parameter count), TF32 off: one colour per precision, solid for the torch
     GDN kernels and dotted for fla; hollow circles are random-weight shapes, squares trained models."""
     fig, ax = plt.subplots(figsize=(9, 3.8))
     untf32 = [p for p in points if not p["tf32"]]
     for dtype, kernels in sorted({(p["dtype"], p["kernels"]) for p in untf32}):
         chosen = sorted((p for p in untf32 if (p["dtype"], p["kernels"]) == (dtype, kernels)),
-                        key=lambda p: p["parameters"])
+                        key=lambda p: p["model_parameters"])
         colour = COLOURS.get(SHORT.get(dtype))
         name = f"{SHORT.get(dtype, dtype)} {kernels}"
         shapes = [p for p in chosen if p["weights"] == "random-weight shape"]
         trained = [p for p in chosen if p["weights"] != "random-weight shape"]
         if shapes:
-            ax.plot([p["parameters"] for p in shapes], [max(p["band"], BAND_FLOOR) for p in shapes], marker="o",
-                    mfc="white", linestyle="-" if kernels == "torch" else ":", color=colour, label=f"{name} (random-weight shapes)")
+            ax.plot([p["model_parameters"] for p in shapes], [max(p["band"], BAND_FLOOR) for p in shapes],
+                    marker="o", mfc="white", linestyle="-" if kernels == "torch" else ":", color=colour,
+                    label=f"{name} (random-weight shapes)")
         if trained:
-            ax.plot([p["parameters"] for p in trained], [max(p["band"], BAND_FLOOR) for p in trained], marker="s",
-                    linestyle="none", color=colour, label=f"{name} (trained)")
+            ax.plot([p["model_parameters"] for p in trained], [max(p["band"], BAND_FLOOR) for p in trained],
+                    marker="s", linestyle="none", color=colour, label=f"{name} (trained)")
     ticks = {}
     for p in untf32:  # one x tick per model, named
-        ticks[p["parameters"]] = p["label"].split(" · ")[0].replace(" (random weights)", "").replace("qwen3.5-", "")
+        tick = p["label"].split(" · ")[0].replace(" (random weights)", "").replace("qwen3.5-", "")
+        ticks[p["model_parameters"]] = tick
     if incident_margin is not None:
         ax.axhline(incident_margin, color="black", linestyle="--", linewidth=1,
                    label=f"incident's fp32 margin ({incident_margin:.2f}, reported)")

@@ -27,6 +27,7 @@ logits, scales with that spread.
 from __future__ import annotations
 
 from spectie.errors import UsageError
+from spectie.record_types import Record
 
 COMMON = dict(
     vocab_size=248320, head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
@@ -158,9 +159,9 @@ def checkpoint_label(name: str, seed: int) -> str:
     return f"{name} checkpoint ({LABEL}, seed {seed})"
 
 
-def is_random_weight_run(record: dict) -> bool:
+def is_random_weight_run(record: Record) -> bool:
     """Whether a record's model is a checkpoint written by `write_checkpoint` (its label says so)."""
-    return f"({LABEL}," in str(record["parameters"].get("model"))
+    return f"({LABEL}," in str(getattr(record.parameters, "model", None))
 
 
 def model_label(model: str, path: str) -> str:

@@ -104,7 +104,7 @@ class EngineConfiguration(Fields):
     ignore_eos: bool | None
     prompt_tokens: int | None
     prompt_seed: int | None
-    prompt_seeds: list[int] | None
+    prompt_seeds: int | None
     prompt_token_ids: list[int] | None
     repeats: int | None
     expect: str | None
@@ -116,7 +116,7 @@ class EngineConfiguration(Fields):
 class EngineOutcome(Fields):
     """What one engine configuration did (engines/runner.summarize); `repeats` holds one dict per generation."""
     status: str | None
-    error: str | None
+    error: dict | None
     stopped_early: bool | None
     runs_stopped: int | None
     runs_total: int | None
@@ -133,7 +133,7 @@ class EngineOutcome(Fields):
     repeats: list[dict] | None
     prompt_tokens: int | None
     backend: str | None
-    placement: str | None
+    placement: dict | None
     model_runner_used: str | None
     vllm_version: str | None
     engine_start_seconds: float | None
@@ -166,7 +166,7 @@ class IncidentClaims(Fields):
 @_optional
 class RelatedReport(Fields):
     summary: str
-    issue: str | None
+    issue: int | None
     pull_requests: list | None
     status: str | None
     environment_variable: str | None
@@ -183,10 +183,10 @@ class MarginParameters(Fields):
     compare_dtypes: list[str]
     prompt: dict
     max_new_tokens: int
-    watch_tokens: dict
+    watch_tokens: list[str]
     decision_prompts: int | None
     sweep_prompts: int | None
-    sweep_prompt_tokens: list[int] | None
+    sweep_prompt_tokens: int | None
     sweep_new_tokens: int | None
     reference: str | None
     prompt_tokens: int | None
@@ -215,9 +215,9 @@ class DesignedDecisions(Fields):
     reference: str
     band: float
     count: int
-    inside: int
-    flipped: int
-    other: int
+    inside: list
+    flipped: list
+    other: str
     median_shift: float
     rows: list[dict]
 
@@ -228,8 +228,8 @@ class FlipCurve(Fields):
     pairs: list[dict]
     bins: list[dict]
     eos_decision_margins: list[float]
-    eos_flips: int
-    other: int
+    eos_flips: list
+    other: str
 
 
 @_optional
@@ -238,9 +238,9 @@ class SweepParameters(Fields):
     model: str
     device: str
     dtypes: list[str]
-    kernels: list[str]
-    shapes: dict
-    tf32: bool
+    kernels: str | list[str]
+    shapes: list
+    tf32: bool | list[bool]
     prompt_tokens: int
     new_tokens: int
     prompt_seed: int | None
@@ -253,9 +253,9 @@ class SweepParameters(Fields):
 
 @_optional
 class ReductionSweep(Fields):
-    reference: str
+    reference: dict
     rows: list[dict]
-    positions: list
+    positions: int
     prompt: dict
     output_tokens: int
     finish_reason: str
@@ -267,7 +267,7 @@ class ReductionSweep(Fields):
 @_optional
 class Benchmark(Fields):
     rows: list[dict]
-    parameters: int
+    parameters: dict
     bf16_matmul_flops_per_s: float | None
 
 
@@ -301,7 +301,7 @@ class SurveyParameters(Fields):
     eos_ids: list[int] | None
     new_tokens: int | None
     max_tokens: int | None
-    server: dict | None
+    server: str | None
     speculative_config: dict | None
     measurement_key: str | None
 
@@ -396,9 +396,3 @@ class Record:
     def device(self) -> str:
         """The GPU a measured record ran on, or CPU."""
         return (self.fingerprint and self.fingerprint.gpu) or "CPU"
-
-    def __getitem__(self, name):  # transition: dict-style reads
-        return self.stored[name]
-
-    def get(self, name, default=None):  # transition
-        return self.stored.get(name, default)

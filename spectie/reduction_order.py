@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from spectie import qwen_shapes
 from spectie.errors import UsageError
+from spectie.record_types import Record
 
 GDN_CHUNK = 64  # transformers' torch_chunk_gated_delta_rule and fla's chunk kernels
 SHAPE_PATTERN = re.compile(r"^(full|decode|verify-(\d+)(?:@(\d+))?|prefill-(\d+)|batch-(\d+))$")
@@ -361,34 +362,44 @@ def logit_magnitudes(reference) -> dict:
             "std_median": float(reference.std(dim=1).median())}
 
 
-def spread_suffix(record: dict) -> str:
-    """A random-weight shape's logit spread, when it is not the default one (records and labels name it)."""
-    weights = record["results"].get("weights", {})
+def _spread_suffix(weights: dict | None) -> str:
+    weights = weights or {}
     if weights.get("kind") != qwen_shapes.LABEL or weights.get("logit_std", qwen_shapes.DEFAULT_LOGIT_STD) == \
             qwen_shapes.DEFAULT_LOGIT_STD:
         return ""
     return f"logit spread {weights['logit_std']:g}"
 
 
-def weights_of(record: dict) -> str:
-    """`trained checkpoint` or `random-weight shape` of a record or a sweep dump (records from before
-    shapes existed: trained)."""
-    return record["results"].get("weights", {}).get("kind", "trained checkpoint")
+def _weights_kind(weights: dict | None) -> str:
+    return (weights or {}).get("kind", "trained checkpoint")
+
+
+def spread_suffix(record: Record) -> str:
+    """A random-weight shape's logit spread, when it is not the default one (records and labels name it)."""
+    return _spread_suffix(record.results.weights)
+
+
+def weights_of(record: Record) -> str:
+    """`trained checkpoint` or `random-weight shape` of a sweep record (records from before shapes existed:
+    trained)."""
+    return _weights_kind(record.results.weights)
 
 
 def measured_sweep_record(dump: dict, environment: str, chapter: str = "reduction_order") -> dict:
-    """A measured record from a sweep's dump (parameters, results, times, fingerprint of the host that ran it)."""
+    """A measured record, as the dict to write, from a sweep's dump (parameters, results, times, fingerprint of the
+    host that ran it)."""
     from spectie.chapters import current_hash
     from spectie.records import measured_record
 
-    model = dump["parameters"]["model"]
-    label = f"{model} ({qwen_shapes.LABEL})" if weights_of(dump) == qwen_shapes.LABEL else model
+    parameters, results = dump["parameters"], dump["results"]  # the dump's own dicts: a record is made of them
+    model, weights = parameters["model"], results.get("weights")
+    label = f"{model} ({qwen_shapes.LABEL})" if _weights_kind(weights) == qwen_shapes.LABEL else model
     name = f"{chapter}-{environment}-{model}-{dump['fingerprint']['host_id']}" + (
-        f"-spread-{dump['results']['weights']['logit_std']:g}" if spread_suffix(dump) else "")
+        f"-spread-{weights['logit_std']:g}" if _spread_suffix(weights) else "")
     return measured_record(
         record_id=name.replace("_", "-").replace(".", "-"), kind="reduction-sweep", chapter=chapter,
-        title=f"Reduction-order sweep of {label} ({dump['parameters']['device']})", environment=environment,
-        parameters=dump["parameters"], results=dump["results"], started_at=dump["started_at"],
+        title=f"Reduction-order sweep of {label} ({parameters['device']})", environment=environment,
+        parameters=parameters, results=results, started_at=dump["started_at"],
         finished_at=dump["finished_at"], fingerprint=dump["fingerprint"],
         content_hash=dump.get("content_hash") or current_hash(chapter))
 
@@ -399,13 +410,13 @@ SOURCES = ("spectie/reduction_order.py", "spectie/model.py", "spectie/qwen_shape
 
 def run(model: str, device: str, environment: str, dtypes: list[str], shapes: list[str], kernels: list[str],
         tf32: list[bool], prompt_tokens: int, prompt_seed: int, new_tokens: int, weights_seed: int,
-        logit_std: float) -> dict:
+        logit_std: float) -> Record:
     """The chapter's sweep on this host, as a record: an earlier record of this host holding the same measurement
     (weights, parameters, library versions and code), or a new sweep, written before it is returned. Every
     parameter is checked before any model loads."""
     from spectie.fingerprint import environment_fingerprint, host_id, measurement_key, now
     from spectie.paths import project_root
-    from spectie.records import measured_path, recorded_measurement, write_record
+    from spectie.records import measured_path, read_record, recorded_measurement, write_record
 
     check_plan(device, dtypes, shapes, kernels, tf32, model)
     parameters = {"model": model, "device": device, "dtypes": dtypes, "shapes": shapes, "kernels": kernels,
@@ -422,8 +433,7 @@ def run(model: str, device: str, environment: str, dtypes: list[str], shapes: li
     dump = {"parameters": dict(parameters, measurement_key=key), "results": result, "started_at": started_at,
             "finished_at": now(), "fingerprint": environment_fingerprint(",".join(dtypes), model)}
     record = measured_sweep_record(dump, environment)
-    write_record(record, measured_path(record))
-    return record
+    return read_record(write_record(record, measured_path(record)))
 
 
 # The columns a reader sees, in words (the record's field names do not wrap in a narrow column).

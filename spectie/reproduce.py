@@ -17,6 +17,7 @@ import pandas as pd
 from spectie.environments import load_environments, release
 from spectie.incident import configuration_label, environment_label, outcome_label
 from spectie.records import model_name
+from spectie.record_types import EngineConfiguration, EngineOutcome, Record
 from spectie.completions import stopped_earlier, tokens_written
 from spectie.divergence import Verdict
 from spectie.engines.runner import root_cause
@@ -24,30 +25,30 @@ from spectie.engines.runner import root_cause
 STATUS_COLOURS = {"unsupported": "#dddddd", "crashed": "#b0b0b0", "interrupted": "#eeeeee"}
 
 
-def measured_runs(records: list[dict]) -> list[dict]:
+def measured_runs(records: list[Record]) -> list[Record]:
     """The reproduction chapter's measured records, in matrix order (baseline first) per host."""
-    runs = [r for r in records if r["provenance"] == "measured" and r["kind"] == "engine-outcome"]
-    return sorted(runs, key=lambda r: (r["environments"][0], r["fingerprint"]["host_id"], r["parameters"]["matrix"],
-                                       r["parameters"]["configuration"] != r["parameters"]["baseline"],
-                                       r["started_at"]))
+    runs = [r for r in records if r.measured and r.kind == "engine-outcome"]
+    return sorted(runs, key=lambda r: (r.environment, r.fingerprint.host_id, r.parameters.matrix,
+                                       r.parameters.configuration != r.parameters.baseline,
+                                       r.started_at))
 
 
-def where_label(record: dict) -> str:
+def where_label(record: Record) -> str:
     """The vLLM build and hardware of a measured run, e.g. 'vLLM 0.32.0 (cpu) · CPU'."""
-    f = record["fingerprint"]
-    return f"vLLM {f['vllm']} ({f.get('vllm_platform')}) · {f.get('gpu') or 'CPU'}"
+    f = record.fingerprint
+    return f"vLLM {f.vllm} ({f.vllm_platform}) · {record.device}"
 
 
-def run_label(record: dict) -> str:
+def run_label(record: Record) -> str:
     """Where a measured run came from: environment, vLLM build, hardware, model."""
-    return f"{record['environments'][0]} · {where_label(record)} · {model_name(record)}"
+    return f"{record.environment} · {where_label(record)} · {model_name(record)}"
 
 
-def measured_label(parameters: dict) -> str:
+def measured_label(parameters: EngineConfiguration) -> str:
     label = configuration_label(parameters)
-    if parameters.get("enable_prefix_caching") is False:
+    if parameters.enable_prefix_caching is False:
         label += ", no prefix caching"
-    elif parameters.get("enable_prefix_caching") is True:
+    elif parameters.enable_prefix_caching is True:
         label += ", prefix caching"
     return label
 
@@ -65,38 +66,38 @@ def acceptance(repeats: list[dict]) -> float | str | None:
     return accepted / drafted if drafted else None
 
 
-def status_label(results: dict) -> str:
-    if results.get("status", "ok") == "ok":
+def status_label(results: EngineOutcome) -> str:
+    if results.status in (None, "ok"):
         return outcome_label(results)
-    return results["status"]
+    return results.status
 
 
-def runs_table(records: list[dict]) -> pd.DataFrame:
+def runs_table(records: list[Record]) -> pd.DataFrame:
     """One row per measured configuration: what ran, what happened, how it compares with the baseline."""
     rows = []
     for r in measured_runs(records):
-        p, res = r["parameters"], r["results"]
+        p, res = r.parameters, r.results
         repeats = res["repeats"]
         same = [x["same_as_baseline"] for x in repeats if x["same_as_baseline"] is not None]
         divergences = [x["first_divergence"] for x in repeats if x["first_divergence"] is not None]
         rate = acceptance(repeats)
-        runner = p.get("model_runner") or "default"
+        runner = p.model_runner or "default"
         rows.append({
             "run": run_label(r),
-            "configuration": p["configuration"],
+            "configuration": p.configuration,
             "engine": measured_label(p),
-            "model runner (asked → used)": f"{runner} → {res.get('model_runner_used') or '—'}",
-            "status": res["status"],
+            "model runner (asked → used)": f"{runner} → {res.model_runner_used or '—'}",
+            "status": res.status,
             "outcome": status_label(res),
             "tokens written": ", ".join(sorted({str(tokens_written(x)) for x in repeats})) or "—",
-            "distinct outputs": res["distinct_outputs"] if repeats else "—",
+            "distinct outputs": res.distinct_outputs if repeats else "—",
             "same as baseline": f"{sum(same)}/{len(same)}" if same else ("baseline" if
-                                                                           p["configuration"] == p["baseline"]
+                                                                           p.configuration == p.baseline
                                                                            else "—"),
             "first divergence (output token)": 1 + min(divergences) if divergences else "—",
             "draft acceptance": rate if rate == UNKNOWN else f"{rate:.0%}" if rate is not None else "—",
-            "error": (res.get("error") or {}).get("type", ""),
-            "record": r["id"],
+            "error": (res.error or {}).get("type", ""),
+            "record": r.id,
         })
     return pd.DataFrame(rows)
 
@@ -104,10 +105,10 @@ def runs_table(records: list[dict]) -> pd.DataFrame:
 FRAME = re.compile(r'\s*File "(?P<path>[^"]+)", line \d+, in (?P<function>\S+)')
 
 
-def error_lines(record: dict) -> str:
+def error_lines(record: Record) -> str:
     """vLLM's own error for a configuration that did not run: its message, the innermost frame that raised it
     (named inside its package, not by this host's paths) and the root cause the engine's log names."""
-    error = record["results"].get("error")
+    error = record.results.error
     if not error:
         return ""
     frames = [m for m in map(FRAME.match, error.get("traceback_tail") or []) if m]
@@ -122,30 +123,30 @@ def error_lines(record: dict) -> str:
                       *([where] if where else []), *([f"root cause (engine log): {cause}"] if cause else [])])
 
 
-def side_by_side(reported: list[dict], measured: list[dict]) -> pd.DataFrame:
+def side_by_side(reported: list[Record], measured: list[Record]) -> pd.DataFrame:
     """Reported (incident) and measured outcomes, one row per configuration and environment, labelled;
     measured rows are the runs of the incident's prompt (each host's first prompt seed). A measured run of a
     vLLM release the incident names sits directly under that release's last reported row; the others follow."""
     environments = load_environments()
-    reported = [r for r in reported if r["kind"] == "engine-outcome"]
+    reported = [r for r in reported if r.kind == "engine-outcome"]
     runs = measured_runs(first_prompt(measured))  # the incident's prompt; other prompts: seeds_rows
-    released = [{release(environments[e]["vllm"].get("version")) for e in r["environments"]} for r in reported]
+    released = [{release(environments[e]["vllm"].get("version")) for e in r.environments} for r in reported]
     last_of = {version: i for i, versions in enumerate(released) for version in versions if version}
 
-    def under(m: dict) -> int | None:
+    def under(m: Record) -> int | None:
         """The reported row a measured run goes under: the last of its release's, None if none."""
-        return last_of.get(release(m["fingerprint"].get("vllm")))
+        return last_of.get(release(m.fingerprint.vllm))
 
-    def measured_row(r: dict) -> dict:
+    def measured_row(r: Record) -> dict:
         return {"provenance": "measured", "where": where_label(r), "model": model_name(r),
-                "configuration": measured_label(r["parameters"]), "outcome": status_label(r["results"]),
-                "record": r["id"]}
+                "configuration": measured_label(r.parameters), "outcome": status_label(r.results),
+                "record": r.id}
 
     rows = []
     for i, r in enumerate(reported):
-        rows.append({"provenance": "reported", "where": environment_label(r["environments"], environments),
-                     "model": "Qwen3.5 (the incident's)", "configuration": configuration_label(r["parameters"]),
-                     "outcome": outcome_label(r["results"]), "record": r["id"]})
+        rows.append({"provenance": "reported", "where": environment_label(r.environments, environments),
+                     "model": "Qwen3.5 (the incident's)", "configuration": configuration_label(r.parameters),
+                     "outcome": outcome_label(r.results), "record": r.id})
         rows += [measured_row(m) for m in runs if under(m) == i]
     rows += [measured_row(m) for m in runs if under(m) is None]
     return pd.DataFrame(rows)
@@ -189,25 +190,25 @@ def grid_class(repeat: dict, baseline: dict | None) -> str:
     return "other tokens, same length"
 
 
-def divergence_verdicts(records: list[dict], threshold: float | None = None) -> dict[str, str]:
+def divergence_verdicts(records: list[Record], threshold: float | None = None) -> dict[str, str]:
     """The classifier's verdict on each configuration whose first repeat parts from plain greedy's (same prompt, the
     records' own model): its id -> "near-tie" or "suspected bug" (spectie.divergence, fp32 reference)."""
     from spectie import divergence
 
-    base = next((r for r in records if r["parameters"]["configuration"] == r["parameters"]["baseline"]
-                 and r["results"]["repeats"]), None)
+    base = next((r for r in records if r.parameters.configuration == r.parameters.baseline
+                 and r.results.repeats), None)
     verdicts = {}
     for r in records:
-        repeats = r["results"]["repeats"]
+        repeats = r.results.repeats
         if base is None or r is base or not repeats or repeats[0].get("first_divergence") is None:
             continue
         pair = divergence.pair_from_records(r, base)
-        result = divergence.classify(r["parameters"]["model"], pair["prompt_token_ids"], pair["a"], pair["b"], threshold)
-        verdicts[r["parameters"]["configuration"]] = result.verdict.short
+        result = divergence.classify(r.parameters.model, pair["prompt_token_ids"], pair["a"], pair["b"], threshold)
+        verdicts[r.parameters.configuration] = result.verdict.short
     return verdicts
 
 
-def repeat_grid(records: list[dict], max_tokens: int, title: str, verdicts: dict[str, str] | None = None):
+def repeat_grid(records: list[Record], max_tokens: int, title: str, verdicts: dict[str, str] | None = None):
     """Configuration × repeat, each cell one generation: its output tokens, coloured by what it did against
     plain greedy's (a stop that plain greedy makes too is not a truncation); hatched: did not run. `verdicts`
     (divergence_verdicts): the classifier's word on a configuration that parts from plain greedy, beside its row;
@@ -216,37 +217,37 @@ def repeat_grid(records: list[dict], max_tokens: int, title: str, verdicts: dict
 
     verdicts = verdicts or {}
     runs = measured_runs(records)
-    width = max([len(r["results"]["repeats"]) for r in runs] + [r["parameters"]["repeats"] for r in runs] + [1])
+    width = max([len(r.results.repeats) for r in runs] + [r.parameters.repeats for r in runs] + [1])
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(runs) + 1.6))
-    base = next((r for r in runs if r["parameters"]["configuration"] == r["parameters"]["baseline"]), None)
-    baseline = base["results"]["repeats"][0] if base and base["results"]["repeats"] else None
+    base = next((r for r in runs if r.parameters.configuration == r.parameters.baseline), None)
+    baseline = base.results.repeats[0] if base and base.results.repeats else None
     seen = set()
     for row, r in enumerate(runs):
-        repeats = r["results"]["repeats"]
-        for col in range(r["parameters"]["repeats"]):
+        repeats = r.results.repeats
+        for col in range(r.parameters.repeats):
             if col < len(repeats):
                 kind = grid_class(repeats[col], baseline)
                 seen.add(kind)
-                bug = kind != "as plain greedy" and verdicts.get(r["parameters"]["configuration"]) == Verdict.BUG.short
+                bug = kind != "as plain greedy" and verdicts.get(r.parameters.configuration) == Verdict.BUG.short
                 ax.add_patch(plt.Rectangle((col, row), 1, 1, facecolor=GRID_CLASSES[kind], edgecolor="black",
                                            linewidth=0.5, hatch="xx" if bug else None))
                 ax.text(col + 0.5, row + 0.5, str(tokens_written(repeats[col])), ha="center", va="center",
                         fontsize=7, color="white" if kind in ("stopped earlier than plain greedy",
                                                               "stopped later than plain greedy") else "black")
             else:
-                status = r["results"]["status"]
+                status = r.results.status
                 ax.add_patch(plt.Rectangle((col, row), 1, 1, facecolor=STATUS_COLOURS.get(status, "#eeeeee"),
                                            edgecolor="white", hatch="//"))
                 if col == 0:
                     ax.text(0.1, row + 0.5, status, va="center", fontsize=7)
     for row, r in enumerate(runs):
-        verdict = verdicts.get(r["parameters"]["configuration"])
+        verdict = verdicts.get(r.parameters.configuration)
         if verdict:
             ax.text(width + 0.15, row + 0.5, verdict, va="center", fontsize=7,
                     color="#990000" if verdict == Verdict.BUG.short else "black")
     ax.set_xlim(0, width)
     ax.set_ylim(len(runs), 0)
-    ax.set_yticks([i + 0.5 for i in range(len(runs))], [r["parameters"]["configuration"] for r in runs], fontsize=8)
+    ax.set_yticks([i + 0.5 for i in range(len(runs))], [r.parameters.configuration for r in runs], fontsize=8)
     ax.set_xticks([i + 0.5 for i in range(width)], [str(i + 1) for i in range(width)], fontsize=8)
     ax.set_xlabel("repeat (the number: output tokens written, end-of-text not counted)")
     handles = [Patch(facecolor=GRID_CLASSES[k], edgecolor="black", label=k) for k in GRID_CLASSES if k in seen]
@@ -262,42 +263,42 @@ def repeat_grid(records: list[dict], max_tokens: int, title: str, verdicts: dict
 CONTEXT_TOKENS = 6  # tokens shown before a divergence
 
 
-def divergences(records: list[dict], baseline: str | None, pieces) -> list[dict]:
+def divergences(records: list[Record], baseline: str | None, pieces) -> list[dict]:
     """For each distinct output that differs from the baseline: the first differing token on each side, at
 its 1-based output token.
 
     `pieces` turns token ids into the tokenizer's pieces (e.g. `tokenizer.convert_ids_to_tokens`).
     """
-    base = next((r for r in records if r["parameters"]["configuration"] == baseline), None)
-    if base is None or not base["results"]["repeats"]:
+    base = next((r for r in records if r.parameters.configuration == baseline), None)
+    if base is None or not base.results.repeats:
         return []
-    reference = base["results"]["repeats"][0]["token_ids"]
+    reference = base.results.repeats[0]["token_ids"]
     rows = []
     for r in records:
-        distinct = {x["token_hash"]: x for x in r["results"]["repeats"] if x["first_divergence"] is not None}
+        distinct = {x["token_hash"]: x for x in r.results.repeats if x["first_divergence"] is not None}
         for x in distinct.values():
             at = x["first_divergence"]
             ids = x["token_ids"]
-            rows.append({"configuration": r["parameters"]["configuration"], "output token": at + 1,
+            rows.append({"configuration": r.parameters.configuration, "output token": at + 1,
                          "context": " ".join(pieces(reference[max(0, at - CONTEXT_TOKENS):at])),
                          f"{baseline} wrote": " ".join(pieces(reference[at:at + 1])) or "(ended)",
                          "this wrote": " ".join(pieces(ids[at:at + 1])) or "(ended)",
                          "tokens written": tokens_written(x),
-                         f"{baseline}: tokens written": tokens_written(base["results"]["repeats"][0])})
+                         f"{baseline}: tokens written": tokens_written(base.results.repeats[0])})
     return rows
 
 
-def parting_text(records: list[dict], baseline: str | None, decisive_output_token: int) -> str:
+def parting_text(records: list[Record], baseline: str | None, decisive_output_token: int) -> str:
     """Where each speculative configuration that ran first parts from the baseline (first repeats), against
     the prompt's designed decision (1-based output token), in words."""
-    base = next((r for r in records if r["parameters"]["configuration"] == baseline), None)
-    if base is None or not base["results"]["repeats"]:
+    base = next((r for r in records if r.parameters.configuration == baseline), None)
+    if base is None or not base.results.repeats:
         return "no baseline ran, so nothing is compared with plain greedy"
     groups: dict[str, list[str]] = {}
     for r in records:
-        if r is base or r["parameters"]["method"] == "none" or not r["results"]["repeats"]:
+        if r is base or r.parameters.method == "none" or not r.results.repeats:
             continue
-        index = r["results"]["repeats"][0]["first_divergence"]
+        index = r.results.repeats[0]["first_divergence"]
         if index is None:
             where = f"wrote the same tokens as {baseline}"
         elif index + 1 == decisive_output_token:
@@ -305,44 +306,45 @@ def parting_text(records: list[dict], baseline: str | None, decisive_output_toke
         else:
             side = "before" if index + 1 < decisive_output_token else "after"
             where = f"part from {baseline} {side} the designed decision, at output token {index + 1}"
-        groups.setdefault(where, []).append(r["parameters"]["configuration"])
+        groups.setdefault(where, []).append(r.parameters.configuration)
     if not groups:
         return "no speculative configuration ran"
     return "; ".join(f"{', '.join(names)}: {where}" for where, names in groups.items())
 
 
-def decision_text(records: list[dict], output_token: int, pieces) -> str:
+def decision_text(records: list[Record], output_token: int, pieces) -> str:
     """What each configuration that ran wrote at the designed decision (1-based output token), with the top-2
     logprob margin vLLM reported there (first repeats), grouped, in words."""
     groups: dict[str, list[str]] = {}
     for r in records:
-        if not r["results"]["repeats"]:
+        if not r.results.repeats:
             continue
-        repeat, index = r["results"]["repeats"][0], output_token - 1
+        repeat, index = r.results.repeats[0], output_token - 1
         if len(repeat["token_ids"]) <= index:
             continue
         margins = repeat.get("top2_margins") or []
         margin = f", by a top-2 logprob margin of {margins[index]:.3f}" if len(margins) > index else ""
         groups.setdefault(f"wrote {pieces([repeat['token_ids'][index]])[0]!r} there{margin}", []).append(
-            r["parameters"]["configuration"])
+            r.parameters.configuration)
     if not groups:
         return "no run reached the designed decision"
     return "; ".join(f"{', '.join(names)} {what}" for what, names in groups.items())
 
 
 # ------------------------------------------------------------------------------------ a run's prompts
-def prompt_seed(record: dict) -> int:
+def prompt_seed(record: Record) -> int:
     """The prompt seed of a run (records made before several prompts were run: the incident's, seed 0)."""
-    return record["parameters"].get("prompt_seed", 0)
+    seed = record.parameters.prompt_seed
+    return 0 if seed is None else seed
 
 
-def run_key(record: dict) -> tuple:
+def run_key(record: Record) -> tuple:
     """Which matrix run a record belongs to: environment, host, matrix, model."""
-    return (record["environments"][0], record["fingerprint"]["host_id"], record["parameters"]["matrix"],
-            record["parameters"]["model"])
+    return (record.environment, record.fingerprint.host_id, record.parameters.matrix,
+            record.parameters.model)
 
 
-def first_prompt(records: list[dict]) -> list[dict]:
+def first_prompt(records: list[Record]) -> list[Record]:
     """The runs of each host's first prompt seed (the incident's prompt where it ran): one per configuration."""
     first: dict[tuple, int] = {}
     for r in records:

@@ -14,39 +14,40 @@ import pandas as pd
 
 from spectie import qwen_shapes
 from spectie.engines.runner import root_cause
+from spectie.record_types import EngineOutcome, Record
 from spectie.reproduce import (CONTEXT_TOKENS, decision_text, first_prompt, measured_runs, parting_text, prompt_seed,
                                run_label)
 
 
-def _stop(results: dict) -> int | None:
+def _stop(results: EngineOutcome) -> int | None:
     """Output tokens of the first repeat if it stopped with EOS, else None (ran to max_tokens)."""
-    repeat = results["repeats"][0]
+    repeat = results.repeats[0]
     return repeat["output_tokens"] if repeat["finish_reason"] == "stop" else None
 
 
-def first_parting(record: dict) -> int | None:
+def first_parting(record: Record) -> int | None:
     """The first output token (1-based) where any repeat of a run parts from the baseline, None if none does."""
-    at = [x["first_divergence"] for x in record["results"]["repeats"] if x["first_divergence"] is not None]
+    at = [x["first_divergence"] for x in record.results.repeats if x["first_divergence"] is not None]
     return min(at) + 1 if at else None
 
 
-def seeds_rows(records: list[dict], baseline: str | None) -> list[dict]:
+def seeds_rows(records: list[Record], baseline: str | None) -> list[dict]:
     """Per configuration, over every prompt seed it ran on: how often its output parts from the baseline's
     (any repeat), where (1-based output tokens), and how its stop compares with the baseline's (first repeats)."""
-    base = {prompt_seed(r): r["results"] for r in records
-            if r["parameters"]["configuration"] == baseline and r["results"]["repeats"]}
-    by_config: dict[str, list[dict]] = {}
+    base = {prompt_seed(r): r.results for r in records
+            if r.parameters.configuration == baseline and r.results.repeats}
+    by_config: dict[str, list[Record]] = {}
     for r in records:
-        by_config.setdefault(r["parameters"]["configuration"], []).append(r)
+        by_config.setdefault(r.parameters.configuration, []).append(r)
     rows = []
     for config, runs in by_config.items():
-        ran = sorted((r for r in runs if r["results"]["repeats"] and prompt_seed(r) in base), key=prompt_seed)
+        ran = sorted((r for r in runs if r.results.repeats and prompt_seed(r) in base), key=prompt_seed)
         parted, stops = [], {"same": 0, "earlier": 0, "later": 0, "only here": 0, "only in the baseline": 0}
         for r in ran:
             at = first_parting(r)
             if at is not None:
                 parted.append(at)
-            here, there = _stop(r["results"]), _stop(base[prompt_seed(r)])
+            here, there = _stop(r.results), _stop(base[prompt_seed(r)])
             if here is None and there is None or here == there:
                 stops["same"] += 1
             elif there is None:
@@ -57,9 +58,9 @@ def seeds_rows(records: list[dict], baseline: str | None) -> list[dict]:
                 stops["earlier" if here < there else "later"] += 1
         rows.append({
             "configuration": config,
-            "status": ", ".join(sorted({r["results"]["status"] for r in runs})),
+            "status": ", ".join(sorted({r.results.status for r in runs})),
             "prompts": len(ran),
-            "stopped early (first repeat)": f"{sum(_stop(r['results']) is not None for r in ran)}/{len(ran)}",
+            "stopped early (first repeat)": f"{sum(_stop(r.results) is not None for r in ran)}/{len(ran)}",
             "parts from the baseline": "baseline" if config == baseline else f"{len(parted)}/{len(ran)}",
             "where (output token)": ", ".join(str(p) for p in sorted(parted)) or "—",
             "stop moved": "—" if config == baseline else
@@ -68,19 +69,19 @@ def seeds_rows(records: list[dict], baseline: str | None) -> list[dict]:
     return rows
 
 
-def parting_plot(records: list[dict], baseline: str | None, decisive_output_token: int | None, title: str):
+def parting_plot(records: list[Record], baseline: str | None, decisive_output_token: int | None, title: str):
     """Where each configuration first parts from the baseline, one dot per prompt: the first output token
     (any repeat) that differs; a hollow dot at the right edge where every repeat wrote the baseline's tokens
     to the end. A dashed line marks the designed decision, where the model has one."""
-    base = {prompt_seed(r) for r in records if r["parameters"]["configuration"] == baseline and r["results"]["repeats"]}
-    configs: dict[str, list[dict]] = {}
-    for r in sorted(records, key=lambda r: r["parameters"]["configuration"]):
-        if r["parameters"]["configuration"] != baseline:
-            configs.setdefault(r["parameters"]["configuration"], []).append(r)
-    longest = max((x["output_tokens"] for r in records for x in r["results"]["repeats"]), default=1)
+    base = {prompt_seed(r) for r in records if r.parameters.configuration == baseline and r.results.repeats}
+    configs: dict[str, list[Record]] = {}
+    for r in sorted(records, key=lambda r: r.parameters.configuration):
+        if r.parameters.configuration != baseline:
+            configs.setdefault(r.parameters.configuration, []).append(r)
+    longest = max((x["output_tokens"] for r in records for x in r.results.repeats), default=1)
     fig, ax = plt.subplots(figsize=(9, 0.35 * len(configs) + 1.4))
     for row, (name, runs) in enumerate(configs.items()):
-        ran = [r for r in runs if r["results"]["repeats"] and prompt_seed(r) in base]
+        ran = [r for r in runs if r.results.repeats and prompt_seed(r) in base]
         parted = [at for at in map(first_parting, ran) if at is not None]
         ax.scatter(parted, [row] * len(parted), color="#c0392b", s=22, zorder=3,
                    label="parts from the baseline here (one prompt)" if row == 0 else None)
@@ -89,7 +90,7 @@ def parting_plot(records: list[dict], baseline: str | None, decisive_output_toke
             ax.scatter([longest], [row], facecolor="white", edgecolor="#2e7d32", s=40, zorder=3)
             ax.annotate(f"{same}× same to the end", (longest, row), xytext=(6, -3), textcoords="offset points", fontsize=7)
         if not ran:
-            ax.text(1, row, "no generation recorded (" + ", ".join(sorted({r["results"]["status"] for r in runs})) + ")",
+            ax.text(1, row, "no generation recorded (" + ", ".join(sorted({r.results.status for r in runs})) + ")",
                     va="center", fontsize=7, color="#666666")
     if decisive_output_token is not None:
         ax.axvline(decisive_output_token, color="black", linestyle="--", linewidth=0.8, label="designed decision")
@@ -106,11 +107,11 @@ def parting_plot(records: list[dict], baseline: str | None, decisive_output_toke
     return fig
 
 
-def seeds_text(records: list[dict], baseline: str | None, decisive_output_token: int | None) -> str:
+def seeds_text(records: list[Record], baseline: str | None, decisive_output_token: int | None) -> str:
     """The across-prompts finding in words: how many speculative configurations part from the baseline
     on how many prompts, where (against the designed decision, if the model has one: None for random
     weights), whether any stop moved, and how the configurations without speculation fared."""
-    methods = {r["parameters"]["configuration"]: r["parameters"].get("method") for r in records}
+    methods = {r.parameters.configuration: r.parameters.method for r in records}
     rows = [r for r in seeds_rows(records, baseline) if r["configuration"] != baseline and r["prompts"]]
     plain_rows = [r for r in rows if methods.get(r["configuration"]) == "none"]
     rows = [r for r in rows if methods.get(r["configuration"]) != "none"]
@@ -140,55 +141,55 @@ def seeds_text(records: list[dict], baseline: str | None, decisive_output_token:
     return text
 
 
-def by_run(records: list[dict]) -> dict[str, list[dict]]:
+def by_run(records: list[Record]) -> dict[str, list[Record]]:
     """Measured runs grouped by where they came from (environment, vLLM build, hardware, model)."""
-    groups: dict[str, list[dict]] = {}
+    groups: dict[str, list[Record]] = {}
     for r in measured_runs(records):
         groups.setdefault(run_label(r), []).append(r)
     return groups
 
 
-def run_summary(records: list[dict], decisive_output_token: int, pieces) -> str:
+def run_summary(records: list[Record], decisive_output_token: int, pieces) -> str:
     """One host's recorded run in words: configurations grouped by status (with the generations recorded of
     those asked for), the engines' own errors, prompts, what the incident's prompt got at the designed
     decision, and across prompts."""
-    configs: dict[str, list[dict]] = {}
+    configs: dict[str, list[Record]] = {}
     for r in records:
-        configs.setdefault(r["parameters"]["configuration"], []).append(r)
+        configs.setdefault(r.parameters.configuration, []).append(r)
     groups: dict[str, list[str]] = {}
     partial = False  # some configuration recorded fewer generations than asked
     for name, runs in configs.items():
-        recorded = sum(r["results"]["runs_total"] for r in runs)
-        asked = sum(r["parameters"]["repeats"] for r in runs)
-        statuses = ", ".join(sorted({r["results"]["status"] for r in runs}))
+        recorded = sum(r.results.runs_total for r in runs)
+        asked = sum(r.parameters.repeats for r in runs)
+        statuses = ", ".join(sorted({r.results.status for r in runs}))
         partial = partial or recorded != asked
         groups.setdefault(statuses, []).append(name if recorded == asked else f"{name} ({recorded} of {asked})")
     causes: dict[str, tuple[str, list[str]]] = {}  # kind of error (numbers aside) -> its first text, configurations
     for name, runs in configs.items():
-        for error in (r["results"]["error"] for r in runs if r["results"].get("error")):
+        for error in (r.results.error for r in runs if r.results.error):
             cause = root_cause(error) or f"{error['type']}: {error['message'][-200:]}"
             _, names = causes.setdefault(re.sub(r"\d+(?:\.\d+)?", "#", cause), (cause, []))
             if name not in names:
                 names.append(name)
-    baseline = records[0]["parameters"]["baseline"]
+    baseline = records[0].parameters.baseline
     seeds = sorted({prompt_seed(r) for r in records})
     text = (f"{len(configs)} configuration{'s' if len(configs) != 1 else ''} recorded on {len(seeds)} "
             f"prompt{'s' if len(seeds) != 1 else ''} (seeds {', '.join(map(str, seeds))}). "
             + " ".join(f"{status.capitalize()}: {', '.join(names)}." for status, names in groups.items()))
     if partial:
         text += " (A name with a count recorded only that many of its generations.)"
-    unexpected = [f"{name} (expected {runs[0]['results']['expected']})" for name, runs in configs.items()
-                  if any(r["results"].get("as_expected") is False and r["results"]["status"] != "interrupted"
+    unexpected = [f"{name} (expected {runs[0].results.expected})" for name, runs in configs.items()
+                  if any(r.results.as_expected is False and r.results.status != "interrupted"
                          for r in runs)]  # an interrupted run is unfinished, not a surprise
     if unexpected:
         text += f" Not as the matrix expected: {', '.join(unexpected)}."
     for cause, names in causes.values():
         text += f" The engine's own error of {', '.join(names)}: \"{cause}\"."
     if qwen_shapes.is_random_weight_run(records[0]):
-        asked = sorted({r["parameters"]["max_tokens"] for r in records})
+        asked = sorted({r.parameters.max_tokens for r in records})
         text += (" Random weights: the prompt's designed decision means nothing to this model, and every "
                  "generation was asked for " + " or ".join(map(str, asked)) + " tokens"
-                 + (" whatever the model wrote (ignore_eos)" if all(r["parameters"].get("ignore_eos") for r in records)
+                 + (" whatever the model wrote (ignore_eos)" if all(r.parameters.ignore_eos for r in records)
                     else "") + ".")
         return f"{text} Across prompts: {seeds_text(records, baseline, None)}."
     return (f"{text} At the designed decision (output token {decisive_output_token}) of the first prompt: "
@@ -196,14 +197,14 @@ def run_summary(records: list[dict], decisive_output_token: int, pieces) -> str:
             f"{seeds_text(records, baseline, decisive_output_token)}.")
 
 
-def one_run(records: list[dict], environment: str) -> list[dict]:
+def one_run(records: list[Record], environment: str) -> list[Record]:
     """The runs of one matrix run in `environment`, on its first prompt: this host's if it made any (what
     the build just ran), else the first recorded host's. Runs of several hosts or prompts are never mixed."""
     from spectie.fingerprint import host_id
 
-    mine = [r for r in records if r["environments"][0] == environment]
-    hosts = sorted({r["fingerprint"]["host_id"] for r in mine}, key=lambda h: h != host_id())
-    return first_prompt([r for r in mine if hosts and r["fingerprint"]["host_id"] == hosts[0]])
+    mine = [r for r in records if r.environment == environment]
+    hosts = sorted({r.fingerprint.host_id for r in mine}, key=lambda h: h != host_id())
+    return first_prompt([r for r in mine if hosts and r.fingerprint.host_id == hosts[0]])
 
 
 def prose_values() -> dict:
@@ -224,44 +225,44 @@ def prose_values() -> dict:
             "shape_logit_std": qwen_shapes.DEFAULT_LOGIT_STD}
 
 
-def differ_text(records: list[dict]) -> str:
+def differ_text(records: list[Record]) -> str:
     """'mtp-k3: 55, 96 tokens, first divergence at output token 12; ...' for each configuration whose repeats part
     from the baseline's; 'none'."""
     return "; ".join(
-        f"{r['parameters']['configuration']}: {', '.join(sorted({str(x['output_tokens']) for x in r['results']['repeats']}))}"
+        f"{r.parameters.configuration}: {', '.join(sorted({str(x['output_tokens']) for x in r.results.repeats}))}"
         f" tokens, first divergence at output token "
-        f"{1 + min(x['first_divergence'] for x in r['results']['repeats'] if x['first_divergence'] is not None)}"
+        f"{1 + min(x['first_divergence'] for x in r.results.repeats if x['first_divergence'] is not None)}"
         for r in records) or "none"
 
 
-def run_values(plan, records: list[dict], all_records: list[dict]) -> dict:
+def run_values(plan, records: list[Record], all_records: list[Record]) -> dict:
     """The glue values of this run (spectie.engines.plan.Plan): what ran, failed and differed on the first prompt's
     `records`, the baseline's ending, the designed decision, and across all prompts (`all_records`)."""
     from spectie.tokenizer import model_tokenizer
 
     matrix, decision = plan.matrix, plan.prompt.decisive_output_token
-    base = next((r["results"] for r in records if r["parameters"]["configuration"] == matrix.baseline), None)
-    first = base["repeats"][0] if base and base["repeats"] else None
-    ran = [r for r in records if r["results"]["status"] == "ok"]
-    failed = [r for r in records if r["results"]["status"] != "ok"]
-    speculative = [r for r in ran if r["parameters"]["method"] != "none"]
-    differ = [r for r in speculative if not all(x["same_as_baseline"] for x in r["results"]["repeats"])]
+    base = next((r.results for r in records if r.parameters.configuration == matrix.baseline), None)
+    first = base.repeats[0] if base and base.repeats else None
+    ran = [r for r in records if r.results.status == "ok"]
+    failed = [r for r in records if r.results.status != "ok"]
+    speculative = [r for r in ran if r.parameters.method != "none"]
+    differ = [r for r in speculative if not all(x["same_as_baseline"] for x in r.results.repeats)]
     return {
         "vllm_version": plan.probe["vllm_version"], "vllm_platform": plan.probe["platform"], "model": plan.model_label,
         "prompt_len": len(plan.prompt.token_ids), "n_configurations": len(records), "n_ran": len(ran),
         "n_failed": len(failed), "failed_list": ", ".join(
-            f"{r['parameters']['configuration']} ({r['results']['status']})" for r in failed) or "none",
+            f"{r.parameters.configuration} ({r.results.status})" for r in failed) or "none",
         "baseline_tokens": first["output_tokens"] if first else "—",
         "baseline_finish": first["finish_reason"] if first else "—",
-        "baseline_stopped": f"{base['runs_stopped']}/{base['runs_total']}" if base else "—",
+        "baseline_stopped": f"{base.runs_stopped}/{base.runs_total}" if base else "—",
         "n_speculative": len(speculative), "n_differ": len(differ), "differ_list": differ_text(differ),
         "decision_output_token": decision, "parting_text": parting_text(records, matrix.baseline, decision),
         "decision_text": decision_text(records, decision, model_tokenizer(plan.model_path).convert_ids_to_tokens),
-        "all_repeats_identical": "yes" if all(r["results"]["distinct_outputs"] == 1 for r in ran) else "no",
+        "all_repeats_identical": "yes" if all(r.results.distinct_outputs == 1 for r in ran) else "no",
         "n_seeds": len(plan.seeds), "seeds_text": seeds_text(all_records, matrix.baseline, decision)}
 
 
-def other_runs(measured: list[dict], this_build: set[str], decisive_output_token: int, pieces) -> list:
+def other_runs(measured: list[Record], this_build: set[str], decisive_output_token: int, pieces) -> list:
     """What the page shows for every other host's recorded run of this chapter: its summary in words, its table
     across prompts (folded) and its dot plot of where each configuration parts from plain greedy."""
     from IPython.display import Markdown
@@ -270,8 +271,8 @@ def other_runs(measured: list[dict], this_build: set[str], decisive_output_token
     from spectie.records import provenance_line
 
     shown = []
-    for label, runs in by_run([r for r in measured if r["id"] not in this_build]).items():
-        baseline, prompts = runs[0]["parameters"]["baseline"], len({prompt_seed(r) for r in runs})
+    for label, runs in by_run([r for r in measured if r.id not in this_build]).items():
+        baseline, prompts = runs[0].parameters.baseline, len({prompt_seed(r) for r in runs})
         decision = None if qwen_shapes.is_random_weight_run(runs[0]) else decisive_output_token
         figure = parting_plot(runs, baseline, decision,
                               "where each configuration first parts from the baseline, one dot per prompt")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from spectie.environments import gpu_releases, incident_releases
 from spectie.pages import bullets, capitalised
+from spectie.record_types import Record
 from spectie.thresholds import REFERENCE_ID, Reference, reference
 
 NEAR_TIE = "a numerical near-tie, not a speculative-decoding correctness bug"
@@ -31,22 +32,22 @@ class Verdict:
     tie_note: str = ""  # why the incident's margin counts as a tie beside the much narrower bands measured here
 
 
-def flip_curves(records: list[dict]) -> list[dict]:
+def flip_curves(records: list[Record]) -> list[dict]:
     """Per measured flip-curve record (margins chapter): on which device, how many decisions, how many bf16
     flipped against the fp64 reference, and the largest reference margin at which one flipped."""
     rows = []
     for record in records:
-        if record["kind"] != "flip-curve" or record["provenance"] != "measured":
+        if record.kind != "flip-curve" or not record.measured:
             continue
-        pairs = record["results"]["pairs"]
+        pairs = record.results.pairs
         flipped = [margin for margin, flip in pairs if flip]
-        rows.append({"record": record["id"], "device": record["fingerprint"]["gpu"] or "CPU",
-                     "model": record["parameters"]["model"], "decisions": len(pairs), "flips": len(flipped),
-                     "largest_flipped": max(flipped, default=None), "reference": record["results"]["reference"]})
+        rows.append({"record": record.id, "device": record.device,
+                     "model": record.parameters.model, "decisions": len(pairs), "flips": len(flipped),
+                     "largest_flipped": max(flipped, default=None), "reference": record.results.reference})
     return rows
 
 
-def engine_divergences(records: list[dict]) -> list[dict]:
+def engine_divergences(records: list[Record]) -> list[dict]:
     """Per divergence-verdicts record and speculative method: the vLLM outputs that parted from plain greedy,
     how many the classifier called near-ties, and the fp32 margins of the others."""
     from spectie import divergence
@@ -54,33 +55,33 @@ def engine_divergences(records: list[dict]) -> list[dict]:
 
     rows = []
     for record in records:
-        if record["kind"] != VERDICTS_KIND:
+        if record.kind != VERDICTS_KIND:
             continue
-        parameters = record["parameters"]
-        for method in sorted({row["class"] for row in record["results"]["rows"]}):
-            mine = [row for row in record["results"]["rows"] if row["class"] == method]
+        parameters = record.parameters
+        for method in sorted({row["class"] for row in record.results.rows}):
+            mine = [row for row in record.results.rows if row["class"] == method]
             outside = [row["fp32_margin"] for row in mine if row["verdict"] != divergence.Verdict.NEAR_TIE.label]
-            rows.append({"environment": parameters["engine_environment"], "vllm": parameters["engine_vllm"],
-                         "device": parameters["engine_device"], "model": parameters["model"], "method": method,
-                         "threshold": parameters["threshold"], "divergences": len(mine),
+            rows.append({"environment": parameters.engine_environment, "vllm": parameters.engine_vllm,
+                         "device": parameters.engine_device, "model": parameters.model, "method": method,
+                         "threshold": parameters.threshold, "divergences": len(mine),
                          "near_ties": len(mine) - len(outside), "outside": sorted(outside)})
     return rows
 
 
-def trained_qwen_references(records: list[dict]) -> list[Reference]:
+def trained_qwen_references(records: list[Record]) -> list[Reference]:
     """Measured references of a trained Qwen3.5 model (not the organism, not a random-weight shape)."""
     found = []
     for record in records:
-        model = str(record.get("parameters", {}).get("model", ""))
-        if (record["provenance"] == "measured" and record["kind"] == "logit-comparison"
+        model = str(record.parameters.model or "") if record.kind == "logit-comparison" else ""
+        if (record.measured and record.kind == "logit-comparison"
                 and "qwen3.5" in model.lower() and "shape" not in model.lower()):
             found.append(reference(record))
     return found
 
 
-def unmeasured_environments(records: list[dict], environments: dict[str, dict]) -> list[str]:
+def unmeasured_environments(records: list[Record], environments: dict[str, dict]) -> list[str]:
     """The incident's environments that no measured record of this book ran in."""
-    measured = {env for r in records if r["provenance"] == "measured" for env in r["environments"]}
+    measured = {env for r in records if r.measured for env in r.environments}
     return [env_id for env_id, env in sorted(environments.items())
             if env["named_in_incident"] and env_id not in measured]
 
@@ -138,7 +139,7 @@ def divergence_sentence(row: dict) -> str:
             "(measured)")
 
 
-def verdict(records: list[dict], environments: dict[str, dict]) -> Verdict:
+def verdict(records: list[Record], environments: dict[str, dict]) -> Verdict:
     """The answer to "is it a bug?", from the records.
 
     A near-tie needs the incident's references to disagree on the winner (precision alone moves the margin
@@ -146,10 +147,10 @@ def verdict(records: list[dict], environments: dict[str, dict]) -> Verdict:
     the same; moderate when the reported plain-greedy run stops too and this project saw speculation through
     real vLLM take the other side of near-ties without leaving the band; weak otherwise.
     """
-    by_id = {r["id"]: r for r in records}
+    by_id = {r.id: r for r in records}
     ref = reference(by_id[REFERENCE_ID]) if REFERENCE_ID in by_id else None
     plain = by_id.get(PLAIN_ID)
-    plain_stops = bool(plain and plain["results"].get("stopped_early") and plain["results"].get("same_position_as"))
+    plain_stops = bool(plain and plain.results.stopped_early and plain.results.same_position_as)
     curves = flip_curves(records)
     divergences = engine_divergences(records)
     mechanism = [row for row in divergences if row["divergences"] and row["near_ties"]]
@@ -193,7 +194,7 @@ def _strength(answer: str, trained: bool, plain_stops: bool, mechanism: bool, fl
                                 ("a measured speculative near-tie through vLLM", mechanism)) if not have)
 
 
-def _not_measured(records: list[dict], environments: dict[str, dict], measured_qwen: bool) -> list[str]:
+def _not_measured(records: list[Record], environments: dict[str, dict], measured_qwen: bool) -> list[str]:
     """What the records do not hold: a trained Qwen3.5 run, the incident's environments and releases, spreads."""
     said = []
     if not measured_qwen:
@@ -215,12 +216,12 @@ def _not_measured(records: list[dict], environments: dict[str, dict], measured_q
 SPREAD_SHAPE = "qwen3.5-9b-shape"
 
 
-def spread_sentence(records: list[dict]) -> str:
+def spread_sentence(records: list[Record]) -> str:
     """Why the random-weight shapes are not evidence: how far one shape's band of the order of sums moves
     with the logit spread of its weights, from its records."""
     from spectie.bands import band_points, spread_points
 
-    sweeps = [r for r in records if r["kind"] == "reduction-sweep"]
+    sweeps = [r for r in records if r.kind == "reduction-sweep"]
     points = sorted(spread_points(band_points(sweeps), SPREAD_SHAPE), key=lambda p: p["logit_std"])
     head = "random-weight Qwen3.5 shapes are not evidence for the verdict: their bands scale with the logit spread "
     if len(points) < 2:
@@ -231,41 +232,41 @@ def spread_sentence(records: list[dict]) -> str:
                    f"{high['logit_std']:g}, measured)")
 
 
-def gpu_matrix_runs(records: list[dict]) -> dict[tuple[str, str], list[dict]]:
+def gpu_matrix_runs(records: list[Record]) -> dict[tuple[str, str], list[Record]]:
     """The measured reproduce-matrix records of trained weights (not a random-weight shape) run through vLLM on a
     GPU, per environment and model, ordered by vLLM release."""
     from spectie.fixes import _version_key
     from spectie.qwen_shapes import is_random_weight_run
 
-    groups: dict[tuple[str, str], list[dict]] = {}
+    groups: dict[tuple[str, str], list[Record]] = {}
     for r in records:
-        if (r["provenance"] == "measured" and r["kind"] == "engine-outcome" and r["chapter"] == "reproduce"
-                and r["fingerprint"].get("gpu") and not is_random_weight_run(r)):
-            groups.setdefault((r["environments"][0], str(r["parameters"]["model"])), []).append(r)
-    return dict(sorted(groups.items(), key=lambda item: (_version_key(item[1][0]["fingerprint"]["vllm"]), item[0])))
+        if (r.measured and r.kind == "engine-outcome" and r.chapter == "reproduce"
+                and r.fingerprint.gpu and not is_random_weight_run(r)):
+            groups.setdefault((r.environment, str(r.parameters.model)), []).append(r)
+    return dict(sorted(groups.items(), key=lambda item: (_version_key(item[1][0].fingerprint.vllm), item[0])))
 
 
 def _and(items: list[str]) -> str:
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
 
 
-def _k_list(records: list[dict]) -> str:
-    ks = sorted({r["parameters"]["num_speculative_tokens"] for r in records})
+def _k_list(records: list[Record]) -> str:
+    ks = sorted({r.parameters.num_speculative_tokens for r in records})
     return f"K = {', '.join(map(str, ks))}"
 
 
-def early_stops(runs: list[dict], method: str) -> tuple[list[str], list[str]]:
+def early_stops(runs: list[Record], method: str) -> tuple[list[str], list[str]]:
     """For one environment's matrix: the configurations of `method` that stopped earlier than the baseline on
     some prompt (with prompt seed, repeats and tokens written, in words), and those that never did."""
     from spectie.completions import stopped_earlier, tokens_before_stop
 
-    baselines = {r["parameters"]["prompt_seed"]: r["results"]["repeats"][0] for r in runs
-                 if r["parameters"]["configuration"] == r["parameters"]["baseline"] and r["results"]["repeats"]}
+    baselines = {r.parameters.prompt_seed: r.results.repeats[0] for r in runs
+                 if r.parameters.configuration == r.parameters.baseline and r.results.repeats}
     stopped, never = {}, []
-    for name in sorted({r["parameters"]["configuration"] for r in runs if r["parameters"]["method"] == method}):
-        for r in sorted((r for r in runs if r["parameters"]["configuration"] == name),
-                        key=lambda r: r["parameters"]["prompt_seed"]):
-            seed, repeats = r["parameters"]["prompt_seed"], r["results"]["repeats"]
+    for name in sorted({r.parameters.configuration for r in runs if r.parameters.method == method}):
+        for r in sorted((r for r in runs if r.parameters.configuration == name),
+                        key=lambda r: r.parameters.prompt_seed):
+            seed, repeats = r.parameters.prompt_seed, r.results.repeats
             early = [x for x in repeats if seed in baselines and stopped_earlier(x, baselines[seed])]
             if early:
                 written = sorted({tokens_before_stop(x) for x in early})
@@ -295,18 +296,18 @@ def _verdicts_clause(row: dict | None, parted: bool) -> str:
     return "; its divergences are not classified yet" if parted else ""
 
 
-def gpu_findings(records: list[dict], ledger: dict | None = None) -> list[str]:
+def gpu_findings(records: list[Record], ledger: Record | None = None) -> list[str]:
     """Per vLLM release run on a GPU here, one sentence (`gpu_finding_parts` joined)."""
     return [head + ": " + "; ".join(parts) for head, parts in gpu_finding_parts(records, ledger)]
 
 
-def gpu_findings_markdown(records: list[dict], ledger: dict | None = None) -> str:
+def gpu_findings_markdown(records: list[Record], ledger: Record | None = None) -> str:
     """`gpu_finding_parts` as a Markdown list: a release per item, what each path did beneath it."""
     return "\n".join(f"- **{head}**:\n" + "\n".join(f"  - {capitalised(part)}." for part in parts)
                      for head, parts in gpu_finding_parts(records, ledger))
 
 
-def gpu_finding_parts(records: list[dict], ledger: dict | None = None) -> list[tuple[str, list[str]]]:
+def gpu_finding_parts(records: list[Record], ledger: Record | None = None) -> list[tuple[str, list[str]]]:
     """Per vLLM release run on a GPU here (the reproduce matrix on the organism): whether MTP stopped earlier
     than plain greedy and with which configurations, whether ngram_gpu parted from plain greedy and how the
     classifier's verdict records call those divergences, and which #39273 fixes the ledger finds in that
@@ -316,11 +317,11 @@ def gpu_finding_parts(records: list[dict], ledger: dict | None = None) -> list[t
     divergences = {(row["environment"], row["method"]): row for row in engine_divergences(records)}
     lines = []
     for (env_id, model), runs in gpu_matrix_runs(records).items():
-        first = runs[0]["fingerprint"]
-        seeds = sorted({r["parameters"]["prompt_seed"] for r in runs})
-        head = (f"vLLM {first['vllm']} on an {first['gpu']} ({env_id}, the {model}, {len(seeds)} "
+        first = runs[0].fingerprint
+        seeds = sorted({r.parameters.prompt_seed for r in runs})
+        head = (f"vLLM {first.vllm} on an {first.gpu} ({env_id}, the {model}, {len(seeds)} "
                 f"prompt{'s' if len(seeds) != 1 else ''}, measured)")
-        mtp = [r for r in runs if r["parameters"]["method"] == "mtp"]
+        mtp = [r for r in runs if r.parameters.method == "mtp"]
         if mtp:
             stopped, never = early_stops(runs, "mtp")
             if stopped:
@@ -328,19 +329,19 @@ def gpu_finding_parts(records: list[dict], ledger: dict | None = None) -> list[t
                 text += f", and never in {', '.join(never)}" if never else ""
             else:
                 text = f"MTP ({_k_list(mtp)}) never stopped earlier than plain greedy"
-            parted = any(not x.get("same_as_baseline") for r in mtp for x in r["results"]["repeats"])
+            parted = any(not x.get("same_as_baseline") for r in mtp for x in r.results.repeats)
             parts = [text + _verdicts_clause(divergences.get((env_id, "mtp")), parted)]
         else:
             parts = ["MTP did not run"]
-        ngram = [r for r in runs if r["parameters"]["method"] == "ngram_gpu" and r["results"]["repeats"]]
+        ngram = [r for r in runs if r.parameters.method == "ngram_gpu" and r.results.repeats]
         if ngram:
-            generations = [x for r in ngram for x in r["results"]["repeats"]]
+            generations = [x for r in ngram for x in r.results.repeats]
             parted = sum(not x.get("same_as_baseline") for x in generations)
             text = (f"ngram_gpu ({_k_list(ngram)}) wrote plain greedy's tokens in {len(generations) - parted} of "
                     f"{len(generations)} generations")
             parts.append(text + _verdicts_clause(divergences.get((env_id, "ngram_gpu")), bool(parted)))
         if ledger is not None:
-            rows = [r for r in fixes_for(ledger, first["vllm"]) if r["fix"].startswith("39273")]
+            rows = [r for r in fixes_for(ledger, first.vllm) if r["fix"].startswith("39273")]
             has = [r["fix"] for r in rows if r["this release"] == VERDICTS["present"]]
             parts.append("the fix ledger finds in this release " + (", ".join(has) if has else "none") + " of the "
                          f"{len(rows)} #39273 fixes (GDN state under speculation)")
@@ -348,7 +349,7 @@ def gpu_finding_parts(records: list[dict], ledger: dict | None = None) -> list[t
     return lines
 
 
-def incident_ngram_text(records: list[dict], ledger: dict) -> str:
+def incident_ngram_text(records: list[Record], ledger: Record) -> str:
     """The incident's own ngram_gpu stops (reported) against the #39273 fixes the ledger finds in their release."""
     from spectie.environments import load_environments, release
     from spectie.fixes import VERDICTS, fixes_for
@@ -356,21 +357,21 @@ def incident_ngram_text(records: list[dict], ledger: dict) -> str:
     environments = load_environments()
     parts = []
     for r in records:
-        if r["provenance"] != "reported" or r["kind"] != "engine-outcome" or r["parameters"].get("method") != "ngram_gpu":
+        if r.provenance != "reported" or r.kind != "engine-outcome" or r.parameters.method != "ngram_gpu":
             continue
-        for version in sorted({release(environments[e]["vllm"]["version"]) for e in r["environments"]
+        for version in sorted({release(environments[e]["vllm"]["version"]) for e in r.environments
                                if e in environments and environments[e]["vllm"].get("version")}):
             has = [f["fix"] for f in fixes_for(ledger, version)
                    if f["fix"].startswith("39273") and f["this release"] == VERDICTS["present"]]
-            parts.append(f"the incident's own ngram_gpu {'stop' if r['results'].get('stopped_early') else 'run'} "
-                         f"(reported, record {r['id']}) ran vLLM {version}, in which the fix ledger finds "
+            parts.append(f"the incident's own ngram_gpu {'stop' if r.results.stopped_early else 'run'} "
+                         f"(reported, record {r.id}) ran vLLM {version}, in which the fix ledger finds "
                          + (", ".join(has) if has else "none of the #39273 fixes")
                          + same_release_ngram(records, version)
                          + ": it may be this correctness bug rather than a tie, and these records cannot tell which")
     return "; ".join(parts)
 
 
-def same_release_ngram(records: list[dict], version: str) -> str:
+def same_release_ngram(records: list[Record], version: str) -> str:
     """What ngram_gpu did on the organism through the same vLLM release on a GPU here (classified divergences),
     as a clause; empty where that release did not run ngram_gpu here."""
     from spectie.environments import release
@@ -387,25 +388,25 @@ def same_release_ngram(records: list[dict], version: str) -> str:
             said.append(f"; on the organism, that release's ngram_gpu ({row['environment']}, measured) parted from "
                         f"plain greedy only at near-ties ({row['near_ties']} of {row['divergences']})")
     clean = [env for (env, _), runs in gpu_matrix_runs(records).items()
-             if release(runs[0]["fingerprint"].get("vllm")) == version and not any(
+             if release(runs[0].fingerprint.vllm) == version and not any(
                  row["environment"] == env and row["method"] == "ngram_gpu" for row in engine_divergences(records))
-             and [x for r in runs if r["parameters"]["method"] == "ngram_gpu" for x in r["results"]["repeats"]]
-             and all(x.get("same_as_baseline") for r in runs if r["parameters"]["method"] == "ngram_gpu"
-                     for x in r["results"]["repeats"])]
+             and [x for r in runs if r.parameters.method == "ngram_gpu" for x in r.results.repeats]
+             and all(x.get("same_as_baseline") for r in runs if r.parameters.method == "ngram_gpu"
+                     for x in r.results.repeats)]
     said += [f"; on the organism, that release's ngram_gpu ({env}, measured) wrote plain greedy's tokens every time"
              for env in clean]
     return "".join(said)
 
 
-def ngram_advice(records: list[dict]) -> str:
+def ngram_advice(records: list[Record]) -> str:
     """What the records tell an operator of ngram_gpu on a hybrid model, per release run on a GPU."""
     bad, clean = [], []
     divergences = {(row["environment"], row["method"]): row for row in engine_divergences(records)}
     for (env_id, _), runs in gpu_matrix_runs(records).items():
-        ngram = [x for r in runs if r["parameters"]["method"] == "ngram_gpu" for x in r["results"]["repeats"]]
+        ngram = [x for r in runs if r.parameters.method == "ngram_gpu" for x in r.results.repeats]
         if not ngram:
             continue
-        label = f"{runs[0]['fingerprint']['vllm']} ({runs[0]['fingerprint']['gpu']})"
+        label = f"{runs[0].fingerprint.vllm} ({runs[0].fingerprint.gpu})"
         row = divergences.get((env_id, "ngram_gpu"))
         if row and row["outside"]:
             bad.append(label)
@@ -422,19 +423,19 @@ def ngram_advice(records: list[dict]) -> str:
     return text
 
 
-def page_values(records: list[dict], environments: dict[str, dict], ledger: dict) -> dict:
+def page_values(records: list[Record], environments: dict[str, dict], ledger: Record) -> dict:
     """The first page's glue values: the first report's stop, the verdict with its strength, reasons, caveats and
     what was not measured, the GPU findings, the ngram advice, and how many records say it."""
     from IPython.display import Markdown
 
-    first_report = next(r for r in records if r["id"] == "original-mtp-wide-verify")["results"]
+    first_report = next(r for r in records if r.id == "original-mtp-wide-verify").results
     answer = verdict(records, environments)
     return {
-        "reported_tokens": first_report["output_tokens_before_stop"], "reported_tail": first_report["tail_text"],
+        "reported_tokens": first_report.output_tokens_before_stop, "reported_tail": first_report.tail_text,
         "answer": answer.answer, "strength": answer.strength, "why_strength": answer.why_strength,
         "tie_note": answer.tie_note, "because": Markdown(bullets(answer.because)),
         "caveats": Markdown(bullets(answer.caveats or ["none in these records"])),
         "not_measured": Markdown(bullets(answer.not_measured)),
         "gpu_findings": Markdown(gpu_findings_markdown(records, ledger) or "- No vLLM run on a GPU is recorded."),
         "ngram_advice": "; ".join(filter(None, [ngram_advice(records), incident_ngram_text(records, ledger)])),
-        "record_count": len(records), "measured_count": sum(r["provenance"] == "measured" for r in records)}
+        "record_count": len(records), "measured_count": sum(r.measured for r in records)}

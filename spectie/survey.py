@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from spectie.errors import UsageError
 from spectie.fingerprint import measurement_key
 from spectie.prompts import CHECKPOINT, TEMPLATES, PromptSpec
+from spectie.record_types import Record
 from spectie.records import recorded_measurement
 from spectie.tiestop import Completion, Step, check, is_near_tie
 
@@ -123,7 +124,7 @@ def survey_results(matrix, specs: list[PromptSpec], prompts: list[list[int]], do
 
 def run(model: str, environment: str, count: int = 32, configurations: list[str] | None = None,
         matrix_name: str | None = None, content_hash: str | None = None, model_label: str | None = None,
-        progress: bool = True, results_dir=None, max_tokens: int | None = None, log=print) -> dict:
+        progress: bool = True, results_dir=None, max_tokens: int | None = None, log=print) -> Record:
     """Complete the prompts with the matrix's baseline and `configurations`; write and return the record (or
     return this host's earlier record of the same measurement)."""
     from spectie.chapters import current_hash
@@ -131,7 +132,7 @@ def run(model: str, environment: str, count: int = 32, configurations: list[str]
     from spectie.engines.runner import engine_fingerprint, request_for
     from spectie.fingerprint import host_id, now
     from spectie.prompts import build_prompt
-    from spectie.records import measured_path, measured_record, write_record
+    from spectie.records import measured_path, measured_record, read_record, write_record
     from spectie.tokenizer import model_tokenizer
 
     matrix = survey_matrix(environment, configurations, matrix_name, max_tokens)
@@ -142,7 +143,7 @@ def run(model: str, environment: str, count: int = 32, configurations: list[str]
         "max_tokens": max_tokens, "environment": environment}, SURVEY_SOURCES)
     earlier = recorded_measurement(record_path("tiestop-survey", environment, results_dir), key)
     if earlier is not None:
-        log(f"survey: recorded earlier with the same weights, prompts, engines and code ({earlier.get('finished_at')}), reused")
+        log(f"survey: recorded earlier with the same weights, prompts, engines and code ({earlier.finished_at}), reused")
         return earlier
     python = engine_python(environment)
     probe = probe_vllm(environment, python)
@@ -161,21 +162,20 @@ def run(model: str, environment: str, count: int = 32, configurations: list[str]
         started_at=started_at, content_hash=content_hash or current_hash(CHAPTER),
         dtype=str(parameters["llm_kwargs"].get("dtype")))
     engine_fingerprint(record, probe)
-    write_record(record, measured_path(record, results_dir))
-    return record
+    return read_record(write_record(record, measured_path(record, results_dir)))
 
 
-def classified(record: dict):
+def classified(record: Record):
     """(prompt index, configuration, completion, baseline's completion of the same prompt, first divergence) for
     every completion of a survey; the divergence is None for the baseline and for an unchanged completion.
     A prompt without the baseline's completion cannot tell ordinary from moved: it is refused."""
     from spectie.completions import first_divergence
 
-    baseline = record["parameters"]["baseline"]
-    for index, row in enumerate(record["results"]["prompts"]):
+    baseline = record.parameters.baseline
+    for index, row in enumerate(record.results.prompts):
         plain = row["completions"].get(baseline)
         if plain is None:
-            raise UsageError(f"survey record {record.get('id', '')!r}, prompt {index}: no completion of the baseline "
+            raise UsageError(f"survey record {record.id!r}, prompt {index}: no completion of the baseline "
                              f"{baseline!r} (it has {', '.join(row['completions']) or 'none'}), so its completions "
                              "cannot be told ordinary or moved by speculation")
         for cid, completion in row["completions"].items():
@@ -183,7 +183,7 @@ def classified(record: dict):
             yield index, cid, completion, plain, moved_at
 
 
-def distinct_stops(record: dict) -> dict[str, list[dict]]:
+def distinct_stops(record: Record) -> dict[str, list[dict]]:
     """The survey's stops, each counted once: *ordinary* ones are the baseline's (one per prompt; a speculative
     completion identical to it is the same stop), *moved* ones are the distinct stopped outputs that speculation
     made differ from the baseline on a prompt (several configurations writing the same output: one stop)."""
@@ -192,7 +192,7 @@ def distinct_stops(record: dict) -> dict[str, list[dict]]:
     for index, cid, completion, _, moved_at in classified(record):
         if completion["finish_reason"] != "stop":
             continue
-        if cid == record["parameters"]["baseline"]:
+        if cid == record.parameters.baseline:
             found["ordinary"].append(completion)
         elif moved_at is not None and (index, tuple(completion["token_ids"])) not in seen:
             seen.add((index, tuple(completion["token_ids"])))
@@ -200,7 +200,7 @@ def distinct_stops(record: dict) -> dict[str, list[dict]]:
     return found
 
 
-def stop_vs_continue(record: dict) -> list[dict]:
+def stop_vs_continue(record: Record) -> list[dict]:
     """Every speculative completion of the survey of which it, or the baseline's, ends with a stop token at an output
     token where the other writes another token: the incident's silent early stop, or its reverse. Each: prompt index,
     configuration, which one stopped, where, and where the two first parted (at the stop, or upstream of it)."""
@@ -208,7 +208,7 @@ def stop_vs_continue(record: dict) -> list[dict]:
     for index, cid, completion, plain, at in classified(record):
         if at is None:
             continue
-        for name, stopper, other in ((cid, completion, plain), (record["parameters"]["baseline"], plain, completion)):
+        for name, stopper, other in ((cid, completion, plain), (record.parameters.baseline, plain, completion)):
             stop = len(stopper["token_ids"]) - 1
             if stopper["finish_reason"] == "stop" and len(other["token_ids"]) > stop \
                     and other["token_ids"][stop] != stopper["token_ids"][stop]:
@@ -217,23 +217,23 @@ def stop_vs_continue(record: dict) -> list[dict]:
     return found
 
 
-def pair(record: dict, index: int, configuration: str, model: str) -> dict:
+def pair(record: Record, index: int, configuration: str, model: str) -> dict:
     """The classifier's input (`spectie classify`) from a survey record: prompt `index` rebuilt from its spec with
     the model's tokenizer, `configuration`'s completion as a, the baseline's as b."""
     from spectie.prompts import build_prompt
     from spectie.tokenizer import model_tokenizer
 
-    row = record["results"]["prompts"][index]
+    row = record.results.prompts[index]
     prompt = build_prompt(PromptSpec(row["tokens"], row["seed"], row["template"]), model_tokenizer(model))
     if len(prompt.token_ids) != row["prompt_tokens"]:
         raise UsageError(f"prompt {index} rebuilt with {model}'s tokenizer has {len(prompt.token_ids)} tokens, the "
                          f"survey's had {row['prompt_tokens']}: another tokenizer")
-    baseline = record["parameters"]["baseline"]
+    baseline = record.parameters.baseline
     return {"prompt_token_ids": list(prompt.token_ids), "a": row["completions"][configuration]["token_ids"],
             "b": row["completions"][baseline]["token_ids"], "a_name": configuration, "b_name": baseline}
 
 
-def margins_by_kind(record: dict, stops: dict[str, list[dict]] | None = None) -> dict[str, list[float]]:
+def margins_by_kind(record: Record, stops: dict[str, list[dict]] | None = None) -> dict[str, list[float]]:
     """Stop margins of the ordinary and of the moved stops, each stop once (for a plot against the threshold);
     `stops`: the record's `distinct_stops`, if already found."""
     return {kind: [c["stop_margin"]["margin"] for c in found if c["stop_margin"]]
@@ -245,7 +245,7 @@ def margin_at(completion: dict, position: int) -> float | None:
     return margins[position] if position < len(margins) else None
 
 
-def tally(record: dict, threshold: float) -> dict:
+def tally(record: Record, threshold: float) -> dict:
     """Counts of the survey at `threshold`: completions, stops (each once: `distinct_stops`), ordinary stops
     flagged (false positives),
     moved stops flagged, moved completions whose first divergence was itself a near-tie (the top-2 margin
@@ -312,18 +312,18 @@ def check_new_tokens(new_tokens) -> int:
     return new_tokens
 
 
-def this_hosts(records: list[dict], environment: str) -> dict | None:
+def this_hosts(records: list[Record], environment: str) -> Record | None:
     """The record this host made for `environment`, else the first of `records` (None if there is none)."""
     from spectie.fingerprint import host_id
 
     here = host_id()
-    return next((r for r in records if r["environments"][0] == environment and r["fingerprint"]["host_id"] == here),
+    return next((r for r in records if r.environment == environment and r.fingerprint.host_id == here),
                 records[0] if records else None)
 
 
 def inject(model: str, environment: str, count: int = 24, new_tokens: int = 200, dtype: str = "bfloat16",
            content_hash: str | None = None, model_label: str | None = None, progress: bool = True,
-           results_dir=None) -> dict:
+           results_dir=None) -> Record:
     """Plant an early end-of-text at every output position of the survey's prompts' continuations and record what
     the detector would read there: the stop token's logprob and the runner-up's, in the serving `dtype`.
 
@@ -337,7 +337,7 @@ def inject(model: str, environment: str, count: int = 24, new_tokens: int = 200,
     from spectie.fingerprint import host_id, now
     from spectie.model import end_of_text_ids, load_model, torch_dtype
     from spectie.prompts import build_prompt
-    from spectie.records import measured_path, measured_record, write_record
+    from spectie.records import measured_path, measured_record, read_record, write_record
     from spectie.tokenizer import model_tokenizer
 
     check_new_tokens(new_tokens)
@@ -365,15 +365,14 @@ def inject(model: str, environment: str, count: int = 24, new_tokens: int = 200,
         title=f"Injected truncations: end-of-text planted at every output position of {count} ordinary prompts",
         environment=environment, parameters=parameters, results={"prompts": rows},
         started_at=started_at, content_hash=content_hash or current_hash(CHAPTER), dtype=dtype)
-    write_record(record, measured_path(record, results_dir))
-    return record
+    return read_record(write_record(record, measured_path(record, results_dir)))
 
 
-def planted_stops(record: dict) -> dict[str, list[Completion]]:
+def planted_stops(record: Record) -> dict[str, list[Completion]]:
     """The injection record's planted truncations as the detector reads them: a completion whose last step is
     the planted end-of-text, with its logprob and the runner-up's; grouped into near-tie and confident ones."""
     found: dict[str, list[Completion]] = {"near-tie": [], "confident": []}
-    for index, row in enumerate(record["results"]["prompts"]):
+    for index, row in enumerate(record.results.prompts):
         for p in row["positions"]:
             eos = f"#{p['eos_id']}"
             step = Step(eos, p["eos"], {eos: p["eos"], f"#{p['other_id']}": p["other"]})
@@ -382,7 +381,7 @@ def planted_stops(record: dict) -> dict[str, list[Completion]]:
     return found
 
 
-def detector_rates(survey_record: dict | None, injection_record: dict | None, threshold: float,
+def detector_rates(survey_record: Record | None, injection_record: Record | None, threshold: float,
                    stops=None, planted=None) -> dict:
     """At `threshold`: the false-positive rate on the survey's ordinary stops (each once per prompt) and the
     recall on planted truncations at near-tie and at confident positions (tiestop.check on each), with counts."""
@@ -400,7 +399,8 @@ def detector_rates(survey_record: dict | None, injection_record: dict | None, th
     return rates
 
 
-def detector_curve(survey_record: dict | None, injection_record: dict | None, thresholds: list[float]) -> list[dict]:
+def detector_curve(survey_record: Record | None, injection_record: Record | None,
+                   thresholds: list[float]) -> list[dict]:
     """`detector_rates` at each threshold (the survey's stops and the planted ones read once)."""
     stops = distinct_stops(survey_record) if survey_record is not None else None
     planted = planted_stops(injection_record) if injection_record is not None else None

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from spectie.record_types import Record
+
 
 REFERENCE_ID = "hf-reference-logits-1854"  # the incident's fp32 and bf16 transformers references at the stop
 
@@ -35,9 +37,9 @@ class Reference:
         return (self.fp32 > 0) != (self.bf16 > 0)
 
 
-def reference(record: dict) -> Reference:
+def reference(record: Record) -> Reference:
     """The margins of a logit-comparison record, signed as EOS over its rival."""
-    rows = {row["dtype"]: row for row in record["results"]["rows"]}
+    rows = {row["dtype"]: row for row in record.results.rows}
     fp32, bf16 = rows.get("fp32") or rows["float32"], rows.get("bf16") or rows["bfloat16"]
     first = fp32["winner"]
     rival = next(token for token in fp32["logits"] if token != first)
@@ -46,23 +48,23 @@ def reference(record: dict) -> Reference:
     def signed(row):
         return row["logits"][pair[0]] - row["logits"][pair[1]]
 
-    return Reference(pair, signed(fp32), signed(bf16), record["results"].get("position"), record["id"])
+    return Reference(pair, signed(fp32), signed(bf16), record.results.position, record.id)
 
 
-def reported_swing(record: dict | None = None) -> tuple[float, str]:
+def reported_swing(record: Record | None = None) -> tuple[float, str]:
     """How far the EOS-DATA margin moved between the fp32 and bf16 transformers references at the incident's
     stop on its real Qwen3.5 (reported, not measured here), and a label saying so."""
     if record is None:
         from spectie.records import load_records
 
-        [record] = [r for r in load_records(chapter="incident") if r["id"] == REFERENCE_ID]
+        [record] = [r for r in load_records(chapter="incident") if r.id == REFERENCE_ID]
     swing = reference(record).swing
     return swing, (f"reported: the EOS-DATA margin moved {swing:.2f} logits between the fp32 and bf16 references on "
-                   f"the incident's Qwen3.5 (record {record['id']}); no band is recorded for these weights: "
+                   f"the incident's Qwen3.5 (record {record.id}); no band is recorded for these weights: "
                    "`make run CHAPTER=reduction_order MODEL=<model>` records one")
 
 
-def default_threshold(digest: str | None = None, records: list[dict] | None = None,
+def default_threshold(digest: str | None = None, records: list[Record] | None = None,
                       device: str | None = None) -> tuple[float, str]:
     """The widest bf16 noise band (TF32 off, any GDN kernels) recorded for these very weights (`digest`) — on
     that `device` (a GPU's name, or "CPU") where one is recorded there, else on any — else the incident's
@@ -86,16 +88,16 @@ def bf16_step(magnitude: float) -> float:
     return 2.0 ** (math.floor(math.log2(abs(magnitude))) - 7) if magnitude else 0.0
 
 
-def recorded_logits(digest: str | None, records: list[dict] | None = None) -> tuple[float, str] | None:
+def recorded_logits(digest: str | None, records: list[Record] | None = None) -> tuple[float, str] | None:
     """The largest logit (in magnitude) recorded at a stop decision of these very weights (the margins
     chapter's logit comparisons, any dtype), and the record it is in; None when no such record exists."""
     if records is None:
         from spectie.records import load_records
 
         records = load_records(kind="logit-comparison")
-    found = [(abs(value), r["id"]) for r in records if r["kind"] == "logit-comparison" and digest
-             and r.get("fingerprint", {}).get("model_sha256") == digest
-             for row in r["results"]["rows"] for value in row["logits"].values()]
+    found = [(abs(value), r.id) for r in records if r.kind == "logit-comparison" and digest
+             and r.fingerprint and r.fingerprint.model_sha256 == digest
+             for row in r.results.rows for value in row["logits"].values()]
     return max(found) if found else None
 
 

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from spectie.errors import UsageError
+from spectie.record_types import Record
 
 HOW_TO_REQUEST = ("request top-2 logprobs: SamplingParams(logprobs=2) offline; \"logprobs\": 2 for /v1/completions; "
                   "\"logprobs\": true, \"top_logprobs\": 2 for /v1/chat/completions")
@@ -318,16 +319,14 @@ def _token_ids(value, where: str) -> list[int]:
     return ids
 
 
-def from_record(record: dict) -> list[Completion]:
+def from_record(record: Record) -> list[Completion]:
     """The completions of a reproduction record (`make run CHAPTER=reproduce`), one per repeat, as the detector
     reads them: the top-2 margin vLLM served at each output position, the stop token and its runner-up named."""
-    results = record.get("results") if isinstance(record, dict) else None
-    if not isinstance(results, dict) or record.get("kind") != "engine-outcome" or "repeats" not in results:
-        name = record.get("id") if isinstance(record, dict) else None
-        raise UsageError(f"record {name!r}: not a reproduction record (kind engine-outcome, with repeats)")
+    if record.kind != "engine-outcome" or record.results.repeats is None:
+        raise UsageError(f"record {record.id!r}: not a reproduction record (kind engine-outcome, with repeats)")
     completions = []
-    for number, repeat in enumerate(_listing(results["repeats"], f"record {record.get('id')!r}: results.repeats"), 1):
-        where = f"record {record.get('id')!r}: results.repeats[{number - 1}]"
+    for number, repeat in enumerate(_listing(record.results.repeats, f"record {record.id!r}: results.repeats"), 1):
+        where = f"record {record.id!r}: results.repeats[{number - 1}]"
         repeat = _mapping(repeat, where)
         ids = _token_ids(repeat.get("token_ids"), f"{where}.token_ids")
         margins = _listing(repeat.get("top2_margins") or [], f"{where}.top2_margins")
@@ -343,11 +342,11 @@ def from_record(record: dict) -> list[Completion]:
         finish = repeat.get("finish_reason")
         if finish is not None and not isinstance(finish, str):
             raise UsageError(f"{where}.finish_reason: expected text or null, got {_shown(finish)}")
-        completions.append(Completion(steps, finish, "reproduction record", f"{record['id']} repeat {number}",
+        completions.append(Completion(steps, finish, "reproduction record", f"{record.id} repeat {number}",
                                       repeat.get("stop_reason")))
     if not completions:
-        raise UsageError(f"record {record.get('id')!r}: no repeats to check (status "
-                         f"{results.get('status')!r}: the configuration wrote nothing)")
+        raise UsageError(f"record {record.id!r}: no repeats to check (status "
+                         f"{record.results.status!r}: the configuration wrote nothing)")
     return completions
 
 

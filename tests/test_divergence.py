@@ -82,15 +82,14 @@ def test_stop_against_continue_from_real_vllm_cpu_records(tmp_path):
     speculation writes DATA. `spectie classify` on the pair reports that stop, and that it follows an earlier
     divergence, which it classifies."""
     from spectie import survey
-    from spectie.records import validate_record
+    from spectie.records import read_record
 
-    record = json.loads((ROOT / "tests" / "data" / "vllm-cpu-survey-stop-vs-continue.json").read_text())
-    validate_record(record)
+    record = read_record(ROOT / "tests" / "data" / "vllm-cpu-survey-stop-vs-continue.json")
     found = survey.stop_vs_continue(record)
     assert found, "the record has no completion stopping where the other goes on"
     case = found[0]
-    assert record["results"]["backend"] == "cpu" and record["fingerprint"]["vllm_distribution"] == "vllm-cpu"
-    assert case["stopped"] == record["parameters"]["baseline"]
+    assert record.results.backend == "cpu" and record.fingerprint.vllm_distribution == "vllm-cpu"
+    assert case["stopped"] == record.parameters.baseline
     pair = survey.pair(record, case["prompt"], case["configuration"], resolve_model("organism"))
     path = tmp_path / "pair.json"
     path.write_text(json.dumps(pair))
@@ -167,7 +166,7 @@ def test_the_baseline_beside_a_record_is_the_one_of_its_prompt_seed(tmp_path):
     other = json.loads(json.dumps(plain[1]))
     other["id"], other["parameters"]["configuration"] = "spec-s1", "spec"
     (tmp_path / "spec-s1.json").write_text(json.dumps(other))
-    assert baseline_record(tmp_path / "spec-s1.json")["parameters"]["prompt_seed"] == 1
+    assert baseline_record(tmp_path / "spec-s1.json").parameters.prompt_seed == 1
 
 
 # The labelled cases (sources/classifier_cases.json) the classifier misses at the organism's band, each a planted

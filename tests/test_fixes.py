@@ -7,35 +7,43 @@ import pytest
 from spectie import fixes
 from spectie.cli import main
 from spectie.errors import UsageError
-from spectie.records import validate_record
+from spectie.record_types import Record
+from spectie.records import read_record, validate_record
 
 
-def ledger_like(per_release: dict[str, dict[str, str]], first: dict[str, str | None]) -> dict:
+def ledger_like(per_release: dict[str, dict[str, str]], first: dict[str, str | None]) -> Record:
     """A record shaped like the ledger's, for fixes -> {release: verdict}."""
     releases = sorted({r for verdicts in per_release.values() for r in verdicts})
-    return {"parameters": {"releases": releases},
-            "results": {"fixes": [{"fix": name, "failure": fixes.failure_of(name), "title": name,
-                                   "per_release": verdicts, "first_release": first[name]}
-                                  for name, verdicts in per_release.items()]}}
+    return Record.from_dict({
+        "schema_version": 1, "id": "fix-ledger-test", "provenance": "measured", "kind": "fix-ledger",
+        "chapter": fixes.CHAPTER, "title": "a ledger", "environments": [fixes.ENVIRONMENT],
+        "parameters": {"releases": releases},
+        "results": {"fixes": [{"fix": name, "failure": fixes.failure_of(name), "title": name,
+                               "per_release": verdicts, "first_release": first[name]}
+                              for name, verdicts in per_release.items()]}})
 
 
 def test_the_record_is_made_from_the_committed_ledger_and_remade_when_it_changes(tmp_path):
     """The record the book shows holds the committed sources/fix_ledger.json's verdicts; it is written once
     per machine and made again when the ledger is re-run (another sha256)."""
     record = fixes.ensure_record(tmp_path)
-    validate_record(record)
+    assert isinstance(record, Record)
+    validate_record(record.stored)
     ledger = fixes.read_ledger()
-    assert {f["fix"]: f["first_release"] for f in record["results"]["fixes"]} == {
+    assert {f["fix"]: f["first_release"] for f in record.results.fixes} == {
         name: summary["first_release_with_fix"] for name, summary in ledger["summary"].items()}
-    assert {f["fix"]: f["per_release"] for f in record["results"]["fixes"]} == {
+    assert {f["fix"]: f["per_release"] for f in record.results.fixes} == {
         name: summary["per_release"] for name, summary in ledger["summary"].items()}
-    assert [r["version"] for r in record["results"]["releases"]] == ledger["releases_requested"]
+    assert [r["version"] for r in record.results.releases] == ledger["releases_requested"]
     [path] = tmp_path.rglob("*.json")
-    assert fixes.ensure_record(tmp_path) == record  # read back, not made again
+    assert read_record(path).stored == record.stored
+    written = path.stat().st_mtime_ns
+    assert fixes.ensure_record(tmp_path).stored == record.stored  # read back, not made again
+    assert path.stat().st_mtime_ns == written
     stale = json.loads(path.read_text())
     stale["parameters"]["source_sha256"] = "0" * 64
     path.write_text(json.dumps(stale))
-    assert fixes.ensure_record(tmp_path)["parameters"]["source_sha256"] == record["parameters"]["source_sha256"]
+    assert fixes.ensure_record(tmp_path).parameters.source_sha256 == record.parameters.source_sha256
     assert json.loads(path.read_text())["parameters"]["source_sha256"] != "0" * 64
 
 

@@ -103,13 +103,13 @@ def test_plain_and_mtp_through_cuda_vllm(organism, tmp_path):
     checks.check_matrix(matrix, probe, extra)
     records = matrix_run.run_matrix(matrix, path, {0: list(prompt.token_ids)}, GPU_ENVIRONMENT, probe, "0" * 64,
                                    extra_engine=extra, model_label="organism", progress=False, results_dir=tmp_path)
-    plain, mtp = (r["results"] for r in records)
+    plain, mtp = (r.results for r in records)
     for record in records:
-        validate_record(record)
-        assert record["fingerprint"]["gpu"].startswith("NVIDIA") and record["fingerprint"]["vllm"] == "0.26.0"
+        validate_record(record.stored)
+        assert record.fingerprint.gpu.startswith("NVIDIA") and record.fingerprint.vllm == "0.26.0"
     for results in (plain, mtp):
-        assert results["status"] == "ok" and results["runs_total"] == 2 and results["backend"] == "cuda"
-        repeat = results["repeats"][0]
+        assert results.status == "ok" and results.runs_total == 2 and results.backend == "cuda"
+        repeat = results.repeats[0]
         assert repeat["token_ids"][prompt.decisive_output_token - 1] in (248044, 17247)  # EOS or DATA
         assert len(repeat["top2_margins"]) == repeat["output_tokens"]
-    assert mtp["model_runner_used"] == "V2" and mtp["repeats"][0]["speculation"]["num_draft_tokens"] > 0
+    assert mtp.model_runner_used == "V2" and mtp.repeats[0]["speculation"]["num_draft_tokens"] > 0

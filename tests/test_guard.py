@@ -6,6 +6,7 @@ import pytest
 
 from spectie import guard
 from spectie.errors import UsageError
+from spectie.record_types import Record
 
 EOS, DATA, NAME = 248044, 17247, 11
 
@@ -106,8 +107,13 @@ def test_the_chapters_figures_and_sentence_follow_the_record():
                 "guarded": {**outcome, "near_tie_stop": False, "seconds": guarded_s, "resumed": resumed,
                             "extra_requests": resumed}}
 
-    record = {"environments": ["cpu"], "results": {"vllm_version": "0.32.0", "backend": "cpu", "prompts": [
-        row(True, 1, 2.0, 3.0), row(False, 0, 2.0, 2.1), row(False, 0, 4.0, 4.1)]}}
+    def survey(rows: list[dict]) -> Record:
+        return Record.from_dict({"schema_version": 1, "id": "guard-survey-test", "provenance": "measured",
+                                 "kind": "guard-survey", "chapter": "guidance", "title": "a test record",
+                                 "environments": ["cpu"], "parameters": {},
+                                 "results": {"vllm_version": "0.32.0", "backend": "cpu", "prompts": rows}})
+
+    record = survey([row(True, 1, 2.0, 3.0), row(False, 0, 2.0, 2.1), row(False, 0, 4.0, 4.1)])
     figures = guidance_survey.guard_summary(record)
     assert figures["near_tie_without"] == 1 and figures["near_tie_with"] == 0
     assert figures["resumed"] == 1 and figures["extra_requests"] == 1
@@ -115,7 +121,7 @@ def test_the_chapters_figures_and_sentence_follow_the_record():
     text = guidance_survey.guard_sentence(record)
     assert "1 completion of 3 ended on a near-tie end-of-text stop without the guard and 0 with it" in text
     assert "resumed 1 completion with 1 extra request" in text and "+0.10 s at the median" in text
-    calm = {**record, "results": {**record["results"], "prompts": [row(False, 0, 2.0, 2.0)]}}
+    calm = survey([row(False, 0, 2.0, 2.0)])
     assert "nothing to resume" in guidance_survey.guard_sentence(calm)
     assert "not been measured" in guidance_survey.guard_sentence(None)
 

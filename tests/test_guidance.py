@@ -1,6 +1,14 @@
 """The guidance chapter's wording helpers, on hand-made rows (the chapter itself is tested in test_book)."""
 
 from spectie import guidance, guidance_classifier, guidance_survey, incident
+from spectie.record_types import Record
+
+
+def _record(kind, record_id="test", parameters=None, results=None, environment="cpu", **fields) -> Record:
+    """A record of `kind` with the fields a stored one has, cut down to what the test reads."""
+    return Record.from_dict({"schema_version": 1, "id": record_id, "provenance": "measured", "kind": kind,
+                             "chapter": "guidance", "title": "a test record", "environments": [environment],
+                             "parameters": parameters or {}, "results": results or {}, **fields})
 
 
 def _rows(**counts):
@@ -78,17 +86,18 @@ def test_the_classifier_scores_and_real_verdicts_are_told_from_their_rows():
 
 # ------------------------------------------------------------------------------ the evidence functions on hand-built runs
 def _run(configuration, tokens, method="mtp", k=None, finish="stop", status="ok", first_divergence=None,
-         distinct=1, runs_total=3, stop_margin=None, seed=0, environment="cpu", host="host-a"):
+         distinct=1, runs_total=3, stop_margin=None, seed=0, environment="cpu", host="host-a", record_id=None,
+         weights=None):
     """An engine-outcome record, as the reproduce chapter writes it, cut down to what guidance reads."""
     repeats = [{"token_ids": tokens, "output_tokens": len(tokens), "finish_reason": finish,
                 "first_divergence": first_divergence, "stop_margin": stop_margin}] if status == "ok" else []
-    return {"id": f"reproduce-{configuration}-s{seed}", "kind": "engine-outcome", "environments": [environment],
-            "fingerprint": {"vllm": "0.19.0", "host_id": host, "gpu": None},
-            "parameters": {"configuration": configuration, "baseline": "plain", "method": method,
-                           "num_speculative_tokens": k, "prompt_seed": seed, "prompt_token_ids": [1, 2, 3],
-                           "model": "organism", "matrix": "cpu"},
-            "results": {"status": status, "repeats": repeats, "distinct_outputs": distinct if repeats else 0,
-                        "runs_total": runs_total}}
+    return _record("engine-outcome", record_id or f"reproduce-{configuration}-s{seed}", environment=environment,
+                   fingerprint={"vllm": "0.19.0", "host_id": host, "gpu": None, "model_sha256": weights},
+                   parameters={"configuration": configuration, "baseline": "plain", "method": method,
+                               "num_speculative_tokens": k, "prompt_seed": seed, "prompt_token_ids": [1, 2, 3],
+                               "model": "organism", "matrix": "cpu"},
+                   results={"status": status, "repeats": repeats, "distinct_outputs": distinct if repeats else 0,
+                            "runs_total": runs_total})
 
 
 def _runs():
@@ -110,10 +119,10 @@ def _verdict(verdict, position, margin=0.01, outside_a=()):
 
 def test_runs_are_told_apart_from_their_baseline():
     runs = _runs()
-    assert guidance.baseline_run(runs)["parameters"]["configuration"] == "plain"
+    assert guidance.baseline_run(runs).parameters.configuration == "plain"
     assert guidance.baseline_run(runs[1:]) is None
     assert list(guidance.first_repeats(runs)) == ["plain", "mtp-k1", "mtp-k8", "ngram"]
-    assert [r["parameters"]["configuration"] for r in guidance.speculative_runs(runs)] == ["mtp-k1", "mtp-k8", "ngram"]
+    assert [r.parameters.configuration for r in guidance.speculative_runs(runs)] == ["mtp-k1", "mtp-k8", "ngram"]
     base, changed = guidance.changed_completions(runs)
     assert base["output_tokens"] == 5 and list(changed) == ["mtp-k8", "ngram"]
     assert changed["mtp-k8"]["token_ids"] == [7, 8, 9, 0]
@@ -189,7 +198,7 @@ def test_each_divergence_is_classified_once_and_feeds_the_tables_and_the_verdict
     runs = _runs()
     classify = guidance_classifier.cached_classifier("organism", 0.1)
     results = guidance_classifier.classify_runs(runs, classify)
-    assert [(r["parameters"]["configuration"], result.position) for r, result in results] == \
+    assert [(r.parameters.configuration, result.position) for r, result in results] == \
         [("mtp-k8", 3), ("ngram", 3)]
     assert [c[1] for c in calls] == [[7, 8, 9, 0], [7, 8, 9, 11, 12, 13]]
     assert all(c[0] == "organism" and c[3] == 0.1 for c in calls)
@@ -211,7 +220,7 @@ def test_classifier_rows_and_facts_are_told_from_the_verdicts():
     from spectie import divergence
 
     runs = _runs()
-    by_name = {r["parameters"]["configuration"]: r for r in runs}
+    by_name = {r.parameters.configuration: r for r in runs}
     results = [(by_name["mtp-k8"], _verdict(divergence.Verdict.NEAR_TIE, 3)),
                (by_name["ngram"], _verdict(divergence.Verdict.BUG, 11, outside_a=[{"position": 4, "gap": 6.5}]))]
     planted = _verdict(divergence.Verdict.BUG, 0, margin=-7.0)
@@ -234,12 +243,12 @@ def test_classifier_rows_and_facts_are_told_from_the_verdicts():
 
 
 def _logits(fp32, bf16):
-    return {"id": "hf-reference-logits-1854", "kind": "logit-comparison",
-            "results": {"rows": [dict(fp32, dtype="fp32"), dict(bf16, dtype="bf16")]}}
+    return _record("logit-comparison", "hf-reference-logits-1854",
+                   results={"rows": [dict(fp32, dtype="fp32"), dict(bf16, dtype="bf16")]})
 
 
 def test_the_incident_is_read_from_its_reported_logits():
-    reported = [{"id": "b200-k7", "kind": "engine-outcome"},
+    reported = [_record("engine-outcome", "b200-k7"),
                 _logits({"margin": 0.67, "winner": "EOS", "logits": {"DATA": 15.8, "EOS": 16.47}},
                         {"margin": 0.69, "winner": "DATA", "logits": {"DATA": 16.5, "EOS": 15.81}})]
     assert incident.fp32_row(reported)["margin"] == 0.67
@@ -262,16 +271,16 @@ def test_the_noise_band_is_the_given_one_else_the_recorded_one(monkeypatch):
 
 
 def test_the_decisive_margin_and_the_b200_runs_by_k():
-    record = {"results": {"rows": [{"dtype": "bf16", "margin": 0.2, "winner": "DATA"},
-                                   {"dtype": "fp32", "margin": 0.031, "winner": "EOS"}]}}
+    record = _record("logit-comparison", results={"rows": [{"dtype": "bf16", "margin": 0.2, "winner": "DATA"},
+                                                           {"dtype": "fp32", "margin": 0.031, "winner": "EOS"}]})
     assert guidance.decisive_facts([record]) == {"decisive_fp32": 0.031, "decisive_winner": "EOS"}
     empty = guidance.decisive_facts([])
     assert empty["decisive_winner"] == "—" and empty["decisive_fp32"] != empty["decisive_fp32"]  # nan
 
     def b200(k, stopped):
-        return {"id": f"b200-k{k}", "parameters": {"num_speculative_tokens": k}, "results": {"stopped_early": stopped}}
+        return _record("engine-outcome", f"b200-k{k}", {"num_speculative_tokens": k}, {"stopped_early": stopped})
 
-    reported = [b200(8, False), b200(7, True), {"id": "b200-plain-greedy", "parameters": {}, "results": {}}]
+    reported = [b200(8, False), b200(7, True), _record("engine-outcome", "b200-plain-greedy")]
     assert guidance.b200_facts(reported) == {
         "b200_k_stops": "7", "b200_k_continues": "8",
         "k_threshold_text": "a wider K did not stop where a narrower one did, so no K threshold holds"}
@@ -284,13 +293,12 @@ def test_the_decisive_margin_and_the_b200_runs_by_k():
 def test_recorded_runs_are_one_run_of_these_weights_in_this_environment(monkeypatch):
     from spectie import records
 
-    other_weights = dict(_run("plain", [1], method="none"), id="other")
-    other_weights["fingerprint"] = dict(other_weights["fingerprint"], model_sha256="other")
+    other_weights = _run("plain", [1], method="none", record_id="other", weights="other")
     stored = [_run("plain", [1], method="none"), _run("mtp-k1", [1], k=1), _run("plain", [1], method="none", seed=1),
               _run("plain", [1], method="none", environment="v0.26.0-h200"), other_weights]
-    monkeypatch.setattr(records, "load_records", lambda **match: [r for r in stored if match.get("kind") == r["kind"]])
-    monkeypatch.setattr(records, "same_weights", lambda r, model: r["fingerprint"].get("model_sha256") != "other")
+    monkeypatch.setattr(records, "load_records", lambda **match: [r for r in stored if match.get("kind") == r.kind])
+    monkeypatch.setattr(records, "same_weights", lambda r, model: r.fingerprint.model_sha256 != "other")
     assert len(guidance.model_records("organism", kind="engine-outcome")) == 4
     runs = guidance.recorded_runs("organism", "cpu")
-    assert [(r["parameters"]["configuration"], r["parameters"]["prompt_seed"]) for r in runs] == \
+    assert [(r.parameters.configuration, r.parameters.prompt_seed) for r in runs] == \
         [("plain", 0), ("mtp-k1", 0)]

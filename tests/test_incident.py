@@ -8,6 +8,7 @@ import pytest
 from conftest import ROOT
 from spectie import incident
 from spectie.environments import check_record_environments, environment_status, load_environments
+from spectie.record_types import EngineOutcome, Record
 from spectie.records import load_records
 
 BRIEF = ROOT / "sources" / "incident.md"
@@ -37,7 +38,7 @@ def test_the_brief_in_sources_is_the_shared_one():
 
 
 def test_every_figure_of_the_brief_is_in_a_reported_record_or_environment(records):
-    stored = json.dumps(records, ensure_ascii=False) + "".join(
+    stored = json.dumps([r.stored for r in records], ensure_ascii=False) + "".join(
         p.read_text() for p in sorted((ROOT / "environments").glob("*.yaml")))
     stored_numbers = _numbers(stored)
     brief_numbers = _numbers(BRIEF.read_text())
@@ -47,26 +48,35 @@ def test_every_figure_of_the_brief_is_in_a_reported_record_or_environment(record
 
 
 def test_the_key_figures(records):
-    by_id = {r["id"]: r for r in records}
-    assert all(r["provenance"] == "reported" and r["source"]["title"].startswith("[Bug]: Wide speculative")
-               for r in records if r["chapter"] == "incident" and r["kind"] != "related-report")
+    by_id = {r.id: r for r in records}
+    assert all(r.provenance == "reported" and r.source.title.startswith("[Bug]: Wide speculative")
+               for r in records if r.chapter == "incident" and r.kind != "related-report")
     cfg = by_id["incident-configuration"]
-    assert cfg["parameters"]["prompt_tokens"] == 1845
-    assert cfg["parameters"]["max_tokens"] == 96
-    assert cfg["parameters"]["num_speculative_tokens_tested"] == [1, 6, 7, 8]
-    assert cfg["results"]["token_ids"] == {"DATA": 17247, "<|endoftext|>": 248044, "<|im_end|>": 248046}
-    counts = {rid: (by_id[rid]["results"]["runs_stopped"], by_id[rid]["results"]["runs_total"])
+    assert cfg.parameters.prompt_tokens == 1845
+    assert cfg.parameters.max_tokens == 96
+    assert cfg.parameters.num_speculative_tokens_tested == [1, 6, 7, 8]
+    assert cfg.results.token_ids == {"DATA": 17247, "<|endoftext|>": 248044, "<|im_end|>": 248046}
+    counts = {rid: (by_id[rid].results.runs_stopped, by_id[rid].results.runs_total)
               for rid in ("v032-mtp-k8", "v032-mtp-k1-eager", "v032-mtp-compiled-cudagraph-none")}
     assert counts == {"v032-mtp-k8": (10, 10), "v032-mtp-k1-eager": (10, 10),
                       "v032-mtp-compiled-cudagraph-none": (33, 33)}
-    assert by_id["b200-k7"]["results"]["stopped_early"] and not by_id["b200-k8"]["results"]["stopped_early"]
-    assert by_id["b200-plain-greedy"]["results"]["stopped_early"]
+    assert by_id["b200-k7"].results.stopped_early and not by_id["b200-k8"].results.stopped_early
+    assert by_id["b200-plain-greedy"].results.stopped_early
+
+
+def test_the_configuration_table_lists_every_stated_setting_as_the_record_stores_it(records):
+    cfg = next(r for r in records if r.id == "incident-configuration")
+    table = incident.configuration_table(cfg.parameters)
+    assert list(table.index) == sorted(cfg.stored["parameters"])
+    assert table.loc["num_speculative_tokens_tested", "value"] == "1, 6, 7, 8"
+    assert table.loc["enforce_eager", "value"] in ("yes", "no") and table.loc["max_tokens", "value"] == 96
 
 
 def test_the_logit_table_is_consistent(records):
-    logits = next(r for r in records if r["kind"] == "logit-comparison")
-    assert logits["results"]["position"] == 1854
-    for row in logits["results"]["rows"]:
+    logits = incident.logit_comparison(records)
+    assert logits.kind == "logit-comparison" and logits.results.position == 1854
+    assert incident.fp32_row(records)["margin"] == 0.67
+    for row in logits.results.rows:
         ordered = sorted(row["logits"].items(), key=lambda kv: kv[1], reverse=True)
         assert ordered[0][0] == row["winner"]
         assert ordered[0][1] - ordered[1][1] == pytest.approx(row["margin"], abs=0.005)
@@ -92,14 +102,19 @@ def test_the_matrix(records):
     assert (matrix == incident.NOT_REPORTED).sum().sum() > 0
 
 
+def measured_in(environment: str, records: list[Record]) -> Record:
+    """One of the incident's engine outcomes, as if measured in `environment`."""
+    reported = next(r for r in records if r.kind == "engine-outcome")
+    return Record.from_dict(dict(reported.stored, provenance="measured", environments=[environment]))
+
+
 def test_environments_and_their_status(records):
     envs = load_environments()
     assert {"v0.31.0-rtx4090x2", "v0.31.0-b200", "nightly-77154ca6-b200", "v0.32.0-rtx4090", "cpu", "h200"} <= set(envs)
     assert not check_record_environments(records)
     assert environment_status("v0.32.0-rtx4090", records) == "reported only"
     assert environment_status("h200", records) == "not yet run"
-    measured = {"provenance": "measured", "environments": ["h200"]}
-    assert environment_status("h200", records + [measured]) == "measured here"
+    assert environment_status("h200", records + [measured_in("h200", records)]) == "measured here"
 
 
 def test_a_planned_environment_says_why_it_has_no_record_only_while_it_has_none(records):
@@ -107,7 +122,7 @@ def test_a_planned_environment_says_why_it_has_no_record_only_while_it_has_none(
 
     env = {"id": "h200", "pending": "not run\n  yet."}
     assert pending_text(env, records) == "not run yet."
-    assert pending_text(env, records + [{"provenance": "measured", "environments": ["h200"]}]) is None
+    assert pending_text(env, records + [measured_in("h200", records)]) is None
     assert pending_text({"id": "h200"}, records) is None
 
 
@@ -125,6 +140,7 @@ def test_a_measured_stop_is_labelled_by_the_tokens_written_before_it():
     from spectie.incident import outcome_label
 
     measured = {"stopped_early": True, "runs_stopped": 3, "runs_total": 3, "output_tokens_before_stop": 92}
-    assert outcome_label(measured) == "stopped 3/3 after 92 tokens"
-    assert outcome_label({**measured, "stop_offset_from_prompt_len": 8}) == "stopped 3/3 at prompt_len+8"
-    assert outcome_label({**measured, "stopped_early": False}) == "continued"
+    assert outcome_label(EngineOutcome.from_dict(measured)) == "stopped 3/3 after 92 tokens"
+    assert outcome_label(EngineOutcome.from_dict({**measured, "stop_offset_from_prompt_len": 8})) == (
+        "stopped 3/3 at prompt_len+8")
+    assert outcome_label(EngineOutcome.from_dict({**measured, "stopped_early": False})) == "continued"

@@ -11,6 +11,7 @@ from spectie.model import (GDN_FUNCTIONS, Generation, greedy_generate, load_mode
                            teacher_forced_logits)
 from spectie.organism import organism_dir
 from spectie.prompts import PromptSpec, build_prompt
+from spectie.record_types import DesignedDecisions
 
 
 @pytest.fixture(scope="module")
@@ -119,12 +120,13 @@ def test_decision_band_and_text_follow_the_rows():
     rows = [row(0, -0.03, 0.0), row(1, 0.01, 0.0), row(2, -0.2, -0.25), row(3, 0.3, 0.25)]
     summary = margins.decision_band(rows, "fp32", "bf16")
     assert summary["band"] == pytest.approx(0.05) and summary["inside"] == [0, 1] and summary["flipped"] == [1]
-    text = margins.decision_text(rows, summary, "fp32", "bf16", 0)
+    text = margins.decision_text(rows, DesignedDecisions.from_dict(summary), "fp32", "bf16", 0)
     assert text == ("fp32 picks DATA or EOS there (DATA in 2, EOS in 2); 2 of 4 fp32 margins lie inside the band; "
                     "the first prompt's (seed 0) fp32 margin of 0.030 is inside it; bf16 picks the other token than fp32 "
                     "in 1 of 4 prompts (seeds 1): the precision alone decides between stopping and going on")
     calm = [row(0, -0.2, -0.25), row(1, 0.3, 0.25)]
-    assert margins.decision_text(calm, margins.decision_band(calm, "fp32", "bf16"), "fp32", "bf16", 0).endswith(
+    calm_summary = DesignedDecisions.from_dict(margins.decision_band(calm, "fp32", "bf16"))
+    assert margins.decision_text(calm, calm_summary, "fp32", "bf16", 0).endswith(
         "0 of 2 fp32 margins lie inside the band; the first prompt's (seed 0) fp32 margin of 0.200 is outside it; "
         "bf16 and fp32 pick the same token in every one of them")
     assert margins.pair_winner(1.0, 1.0, watch) == "DATA" and margins.pair_winner(1.0, 0.5, watch) == "EOS"

@@ -105,12 +105,13 @@ def test_the_designed_tie_on_the_pinned_weights(built, setup):
     gives to DATA (read from the margins chapter's record of these weights, which the build wrote); at 256 tokens
     bf16 picks the other token than fp32 in some prompts (seed 5; computed here)."""
     from spectie.fingerprint import host_id
+    from spectie.records import read_record
 
     [path] = (built[0] / "results" / "measured").glob(f"cpu-{host_id()}/margins/margins-cpu-decisions-*.json")
-    record = json.loads(path.read_text())
-    assert record["fingerprint"]["model_sha256"] == pinned_digest() and record["parameters"]["model"] == "organism"
-    assert [row["seed"] for row in record["results"]["rows"]] == [spec.seed for spec in prompt_set(16, 1845)]
-    rows = record["results"]["rows"]
+    record = read_record(path)
+    assert record.fingerprint.model_sha256 == pinned_digest() and record.parameters.model == "organism"
+    assert [row["seed"] for row in record.results.rows] == [spec.seed for spec in prompt_set(16, 1845)]
+    rows = record.results.rows
     for row in rows:
         assert row["prompt_tokens"] == 1845
         assert {row["fp32_top1_id"], row["fp32_top2_id"]} == {EOS, DATA}, row["seed"]

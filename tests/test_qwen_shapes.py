@@ -2,8 +2,10 @@
 
 import pytest
 
+from conftest import typed
 from spectie import bands, qwen_shapes, reduction_order
 from spectie.errors import UsageError
+from spectie.record_types import Record
 
 # A shape small enough for a test, built by the same code as the real ones.
 TINY = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
@@ -66,8 +68,8 @@ def test_a_sweep_of_a_shape_runs_and_its_record_says_random_weights(tiny_shape):
     assert rows[("bfloat16", "decode")]["max_deviation"] > 0.0
     dump = {"parameters": {"model": tiny_shape, "device": "cpu"}, "results": result, "started_at": "t0",
             "finished_at": "t1", "fingerprint": {"host_id": "abc"}}
-    record = reduction_order.measured_sweep_record(dump, "cpu")
-    assert "random-weight shape" in record["title"] and record["id"] == "reduction-order-cpu-tiny-shape-abc"
+    record = Record.from_dict(reduction_order.measured_sweep_record(dump, "cpu"))
+    assert "random-weight shape" in record.title and record.id == "reduction-order-cpu-tiny-shape-abc"
     assert bands.summary_rows(record)[0]["model"] == "tiny-shape (random weights)"
 
 
@@ -113,8 +115,8 @@ def test_a_shape_written_as_a_release_checkpoint_loads_with_the_same_weights(tin
     assert "mtp.fc.weight" in names and "mtp.layers.0.self_attn.q_proj.weight" in names
     assert any(n.startswith("model.visual.") for n in names)
     assert qwen_shapes.model_label(str(tmp_path), str(tmp_path)) == info["label"]
-    assert qwen_shapes.is_random_weight_run({"parameters": {"model": info["label"]}})
-    assert not qwen_shapes.is_random_weight_run({"parameters": {"model": "organism"}})
+    assert qwen_shapes.is_random_weight_run(typed({"parameters": {"model": info["label"]}}))
+    assert not qwen_shapes.is_random_weight_run(typed({"parameters": {"model": "organism"}}))
     loaded = load_model(str(tmp_path), "bfloat16", "cpu")
     built = qwen_shapes.build(tiny_shape, "bfloat16", "cpu", 3, info["logit_scale"])
     ids = torch.arange(100, 300)[None]

@@ -1,5 +1,6 @@
 """The record schema, validation on write and read, and atomic writes."""
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -10,8 +11,9 @@ import time
 
 import pytest
 
-from spectie.records import (RecordError, check_records, load_records, measured_path, read_record, validate_record,
-                             write_record)
+from spectie.record_types import KINDS, EngineConfiguration, EngineOutcome, Fingerprint, Record
+from spectie.records import (SCHEMA_PATH, RecordError, check_records, load_records, measured_path, read_record,
+                             record_paths, validate_record, write_record)
 
 
 def test_incident_records_and_a_measured_record_validate(reported_record, measured_record):
@@ -120,8 +122,8 @@ def test_killing_a_writer_mid_write_leaves_the_old_record(tmp_path, reported_rec
         writer.send_signal(signal.SIGKILL)
         writer.wait()
     assert path.read_text() == before  # ...but the old record is what is there
-    assert read_record(path) == reported_record
-    assert [r["id"] for r in load_records(tmp_path)] == [reported_record["id"]]  # leftovers are not records
+    assert read_record(path).stored == reported_record
+    assert [r.id for r in load_records(tmp_path)] == [reported_record["id"]]  # leftovers are not records
 
 
 def test_reading_reports_a_broken_file_by_name_and_field(tmp_path, reported_record):
@@ -131,7 +133,7 @@ def test_reading_reports_a_broken_file_by_name_and_field(tmp_path, reported_reco
     bad["results"] = dict(bad["results"], runs_stopped="ten")
     (tmp_path / "reported" / "bad.json").write_text(json.dumps(bad))
     records, problems = check_records(tmp_path)
-    assert [r["id"] for r in records] == [reported_record["id"]]
+    assert [r.id for r in records] == [reported_record["id"]]
     messages = sorted(str(p) for p in problems)
     assert "bad.json: field 'results.runs_stopped'" in messages[0]
     assert "not-json.json: field '(file)': not valid JSON" in messages[1]
@@ -145,15 +147,15 @@ def test_a_chapters_records_are_read_where_they_live(tmp_path, measured_record, 
     placed = write_record(measured_record, measured_path(measured_record, tmp_path))
     write_record(reported_record, tmp_path / "reported" / "incident" / "r.json")
     both = sorted([measured_record["id"], reported_record["id"]])  # both of the chapter `incident`
-    assert sorted(r["id"] for r in load_records(tmp_path, chapter="incident")) == both
-    assert [r["id"] for r in load_records(tmp_path, provenance="reported")] == [reported_record["id"]]
-    assert sorted(r["id"] for r in load_records(tmp_path)) == both
+    assert sorted(r.id for r in load_records(tmp_path, chapter="incident")) == both
+    assert [r.id for r in load_records(tmp_path, provenance="reported")] == [reported_record["id"]]
+    assert sorted(r.id for r in load_records(tmp_path)) == both
     elsewhere = placed.parent.parent / "margins" / placed.name
     elsewhere.parent.mkdir()
     placed.rename(elsewhere)
-    assert [r["id"] for r in load_records(tmp_path, chapter="incident")] == [reported_record["id"]]
+    assert [r.id for r in load_records(tmp_path, chapter="incident")] == [reported_record["id"]]
     records, problems = check_records(tmp_path)
-    assert [r["id"] for r in records] == [reported_record["id"]]
+    assert [r.id for r in records] == [reported_record["id"]]
     assert [str(p) for p in problems] == [f"{elsewhere}: field '(file)': a measured record belongs at {placed}"]
 
 
@@ -175,22 +177,27 @@ def test_records_name_the_weights_of_a_local_model(tmp_path, measured_record):
     assert model_digest(str(tmp_path)) == hashlib.sha256(b"weights").hexdigest()[:12]
     assert model_digest("Qwen/Qwen3.5-2B") is None and model_digest(None) is None
     assert environment_fingerprint("bfloat16", str(tmp_path))["model_sha256"] == model_digest(str(tmp_path))
-    measured_record["parameters"] = {"model": "organism"}
-    measured_record["fingerprint"]["model_sha256"] = "0123456789ab"
-    assert model_name(measured_record) == "another organism (0123456789ab, not the pinned one)"
-    assert not same_weights(measured_record, "organism")
-    measured_record["fingerprint"]["model_sha256"] = pinned_digest()
-    assert model_name(measured_record) == f"organism ({pinned_digest()}, pinned)"
-    assert same_weights(measured_record, "organism")  # make setup unpacked the pinned organism
-    assert not same_weights(measured_record, str(tmp_path))  # another model, by name and by weights
-    del measured_record["fingerprint"]["model_sha256"]
-    assert model_name(measured_record) == "organism (weights not recorded)"
-    assert not same_weights(measured_record, "organism")
-    measured_record["parameters"] = {"model": str(tmp_path)}
-    assert model_name(measured_record) == str(tmp_path)
-    measured_record["fingerprint"]["model_sha256"] = model_digest(str(tmp_path))
-    assert same_weights(measured_record, str(tmp_path))
-    assert model_name(measured_record) == f"{tmp_path} ({model_digest(str(tmp_path))})"
+    def made_with(model, digest):  # digest None: the fingerprint does not name the weights
+        fingerprint = {k: v for k, v in measured_record["fingerprint"].items() if k != "model_sha256"}
+        if digest:
+            fingerprint["model_sha256"] = digest
+        return Record.from_dict(dict(measured_record, parameters={"model": model}, fingerprint=fingerprint))
+
+    record = made_with("organism", "0123456789ab")
+    assert model_name(record) == "another organism (0123456789ab, not the pinned one)"
+    assert not same_weights(record, "organism")
+    record = made_with("organism", pinned_digest())
+    assert model_name(record) == f"organism ({pinned_digest()}, pinned)"
+    assert same_weights(record, "organism")  # make setup unpacked the pinned organism
+    assert not same_weights(record, str(tmp_path))  # another model, by name and by weights
+    record = made_with("organism", None)
+    assert "model_sha256" not in record.stored["fingerprint"]
+    assert model_name(record) == "organism (weights not recorded)"
+    assert not same_weights(record, "organism")
+    assert model_name(made_with(str(tmp_path), None)) == str(tmp_path)
+    record = made_with(str(tmp_path), model_digest(str(tmp_path)))
+    assert same_weights(record, str(tmp_path))
+    assert model_name(record) == f"{tmp_path} ({model_digest(str(tmp_path))})"
 
 
 def test_records_say_which_code_made_them_and_how(monkeypatch):
@@ -223,11 +230,11 @@ def test_a_figures_provenance_line_names_hosts_commits_and_versions(reported_rec
 
     measured_record["fingerprint"].update(source_commit="abcdef1234", source_dirty=True, gpu="NVIDIA H200",
                                           torch="2.11.0", transformers="5.17.0", vllm=None)
-    line = provenance_line([reported_record, measured_record])
+    line = provenance_line([Record.from_dict(reported_record), Record.from_dict(measured_record)])
     assert line.startswith("Records: 1 reported (the incident); 1 measured on NVIDIA H200 (host ")
     assert "commit abcdef1 (uncommitted changes); torch 2.11.0, transformers 5.17.0, vLLM none." in line
     measured_record["fingerprint"]["source_commit"] = None
-    assert "; commit unknown; torch" in provenance_line([measured_record])
+    assert "; commit unknown; torch" in provenance_line([Record.from_dict(measured_record)])
     assert provenance_line([]) == "Records: none."
 
 
@@ -253,7 +260,9 @@ def test_a_hub_id_is_recorded_with_the_commit_and_weights_it_resolved_to(tmp_pat
     assert model_revision("organism") is None
     fp = environment_fingerprint("bfloat16", "Qwen/Qwen3.5-0.8B")
     assert fp["model_revision"] == commit and fp["model_sha256"] == hashlib.sha256(b"weights").hexdigest()[:12]
-    record = {"parameters": {"model": "Qwen/Qwen3.5-0.8B"}, "fingerprint": fp}
+    record = Record.from_dict({"schema_version": 1, "id": "hub", "provenance": "measured", "kind": "margin-scan",
+                               "chapter": "margins", "title": "a hub model's record", "environments": ["cpu"],
+                               "parameters": {"model": "Qwen/Qwen3.5-0.8B"}, "results": {}, "fingerprint": fp})
     assert model_name(record) == f"Qwen/Qwen3.5-0.8B@{commit[:12]} ({fp['model_sha256']})"
 
 
@@ -274,8 +283,39 @@ def test_a_measurement_is_reused_only_where_weights_arguments_and_code_are_the_s
     (tmp_path / "b" / "model.safetensors").write_bytes(b"other weights")
     assert measurement_key("margins", str(tmp_path / "b"), {"prompts": 2}, sources) != key
     path = write_record(dict(measured_record, parameters={"measurement_key": key}), tmp_path / "r.json")
-    assert recorded_measurement(path, key)["parameters"]["measurement_key"] == key
+    assert recorded_measurement(path, key).parameters.measurement_key == key
     source = project_copy / "spectie" / "margins.py"
     source.write_text(source.read_text() + "\n# edited\n")
     assert recorded_measurement(path, measurement_key("margins", str(tmp_path / "a"), {"prompts": 2}, sources)) is None
     assert recorded_measurement(tmp_path / "missing.json", key) is None
+
+
+def test_every_stored_record_is_a_record_of_its_kind_holding_the_file_as_it_is():
+    """Every record under results/ reads as a Record whose `stored` is the file's JSON, unchanged, and whose
+    parameters and results are its kind's types."""
+    paths = record_paths()
+    assert paths
+    for path in paths:
+        record = read_record(path)
+        assert record.stored == json.loads(path.read_text()), path
+        parameters, results = KINDS[record.kind]
+        assert type(record.parameters) is parameters and type(record.results) is results, path
+        assert record.environment == (record.environments[0] if record.environments else None)
+
+
+def test_the_types_declare_every_field_the_schema_declares_and_refuse_others(reported_record, measured_record):
+    """The schema's declared fields of an engine configuration, an engine outcome and a fingerprint are fields of
+    their types; the schema's kinds are the types' kinds; a field no type declares is refused, by name."""
+    schema = json.loads(SCHEMA_PATH.read_text())
+    for name, kind in (("engine_configuration", EngineConfiguration), ("engine_outcome", EngineOutcome),
+                       ("fingerprint", Fingerprint)):
+        declared = set(schema["$defs"][name]["properties"])
+        fields = {f.name for f in dataclasses.fields(kind)}
+        assert declared <= fields, f"{kind.__name__} lacks {sorted(declared - fields)}"
+    assert set(schema["properties"]["kind"]["enum"]) == set(KINDS)
+    for part, record in (("parameters", reported_record), ("results", reported_record),
+                         ("fingerprint", measured_record)):
+        with pytest.raises(RecordError) as info:
+            Record.from_dict(dict(record, **{part: dict(record[part], surprise=1)}), where="some/file.json")
+        assert info.value.field == "surprise" and info.value.where == f"some/file.json: {part}"
+        assert "surprise" in str(info.value)

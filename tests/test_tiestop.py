@@ -7,6 +7,14 @@ import pytest
 from conftest import ROOT, run_cli
 from spectie import thresholds, tiestop
 from spectie.errors import UsageError
+from spectie.record_types import Record
+
+
+def _logit_comparison(record_id: str, rows: list[dict], **fields) -> Record:
+    """A logit-comparison record with the fields a stored one has, cut down to what the thresholds read."""
+    return Record.from_dict({"schema_version": 1, "id": record_id, "provenance": "measured", "kind": "logit-comparison",
+                             "chapter": "margins", "title": "a test record", "environments": ["cpu"],
+                             "parameters": {}, "results": {"rows": rows}, **fields})
 
 
 def completion_response(last_top: dict, finish_reason="stop", tokens=("a", "b", "")):
@@ -111,9 +119,9 @@ def test_without_a_band_for_these_weights_the_threshold_is_the_incidents_reporte
     random-weight shape's band is never the default (its scale is a free parameter of the random weights)."""
     band, label = thresholds.default_threshold()
     assert band == pytest.approx(1.36) and label.startswith("reported:") and "hf-reference-logits-1854" in label
-    record = {"id": "r", "results": {"rows": [
+    record = _logit_comparison("r", [
         {"dtype": "fp32", "margin": 0.2, "winner": "EOS", "logits": {"EOS": 10.2, "DATA": 10.0}},
-        {"dtype": "bf16", "margin": 0.1, "winner": "EOS", "logits": {"EOS": 10.1, "DATA": 10.0}}]}}
+        {"dtype": "bf16", "margin": 0.1, "winner": "EOS", "logits": {"EOS": 10.1, "DATA": 10.0}}])
     assert thresholds.reported_swing(record)[0] == pytest.approx(0.1)  # same winner: the margins' difference
     assert thresholds.default_threshold(digest="000000000000") == (band, label)
 
@@ -165,8 +173,8 @@ def test_the_threshold_is_at_least_one_bf16_step_at_the_recorded_logits():
     assert [thresholds.bf16_step(x) for x in (20.0, 16.47, 15.8, -3.0)] == [0.125, 0.125, 0.0625, 0.015625]
     assert tiestop.is_near_tie(0.125, 0.125) and tiestop.is_near_tie(-0.125, 0.125)
     assert not tiestop.is_near_tie(0.25, 0.125)
-    record = {"id": "m", "kind": "logit-comparison", "fingerprint": {"model_sha256": "abc"},
-              "results": {"rows": [{"logits": {"EOS": 19.97, "DATA": 19.98}}, {"logits": {"EOS": 20.0, "DATA": 20.0}}]}}
+    record = _logit_comparison("m", [{"logits": {"EOS": 19.97, "DATA": 19.98}}, {"logits": {"EOS": 20.0, "DATA": 20.0}}],
+                               fingerprint={"model_sha256": "abc"})
     assert thresholds.recorded_logits("abc", [record]) == (20.0, "m")
     assert thresholds.recorded_logits("other", [record]) is None
     threshold, origin = thresholds.step_rule(0.118, "band B", (20.0, "m"))

@@ -22,6 +22,7 @@ from spectie.engines.matrix import EngineConfig, Matrix
 from spectie.engines.runner import (CHAPTER, Outcome, kill_running, make_record, record_id, request_for, request_key,
                                     run_child, summarize)
 from spectie.errors import UsageError
+from spectie.record_types import Record
 from spectie.paths import project_root
 
 
@@ -98,22 +99,22 @@ class MatrixRun:
         return measured_path({"environments": [self.environment], "chapter": CHAPTER, "id": rid,
                               "fingerprint": {"host_id": host_id()}}, self.results_dir)
 
-    def set_baseline(self, records: list[dict]) -> None:
+    def set_baseline(self, records: list[Record]) -> None:
         """Keep the baseline's tokens per prompt seed; without them for every seed, stop the matrix."""
         for record in records:
-            repeats = record["results"]["repeats"]
-            if record["results"]["status"] == "ok" and repeats:
-                self.baseline_tokens[record["parameters"]["prompt_seed"]] = repeats[0]["token_ids"]
-        missing = [r for r in records if r["parameters"]["prompt_seed"] not in self.baseline_tokens]
+            repeats = record.results.repeats
+            if record.results.status == "ok" and repeats:
+                self.baseline_tokens[record.parameters.prompt_seed] = repeats[0]["token_ids"]
+        missing = [r for r in records if r.parameters.prompt_seed not in self.baseline_tokens]
         if missing:
             self.interrupted.set()  # no configuration starts or is recorded without its comparison
         self.baseline_done.set()
         if missing:
-            results, seed = missing[0]["results"], missing[0]["parameters"]["prompt_seed"]
-            error = results.get("error") or {}
+            results, seed = missing[0].results, missing[0].parameters.prompt_seed
+            error = results.error or {}
             reason = f"{error.get('type')}: {error.get('message', '')[-300:]}" if error else "no repeat finished"
             raise BaselineFailed(
-                f"the baseline {self.matrix.baseline!r} did not finish ({results['status']}, prompt seed {seed}): "
+                f"the baseline {self.matrix.baseline!r} did not finish ({results.status}, prompt seed {seed}): "
                 f"{reason}. Without it no configuration can be compared, so the matrix stops here; its record: "
                 f"{self.path_of(self.matrix.configs[0], seed)}")
 
@@ -150,9 +151,9 @@ class MatrixRun:
         return outcome, placement
 
     def write(self, config: EngineConfig, request: dict, key: str, outcome: Outcome, started_at: str,
-              placement: dict, paths: dict[int, Path]) -> list[dict]:
+              placement: dict, paths: dict[int, Path]) -> list[Record]:
         """One record per prompt seed of what the engine did, compared with the baseline's tokens, written."""
-        from spectie.records import write_record
+        from spectie.records import read_record, write_record
 
         is_baseline = config.id == self.matrix.baseline
         records = []
@@ -163,11 +164,10 @@ class MatrixRun:
             results["placement"] = placement  # extra environment of this engine (its CPU core), if any
             record = make_record(config, self.matrix, request, results, self.environment, self.label, self.probe, key,
                                  started_at, self.content_hash, seed, self.prompts[seed])
-            write_record(record, paths[seed])
-            records.append(record)
+            records.append(read_record(write_record(record, paths[seed])))
         return records
 
-    def run_one(self, number: int, config: EngineConfig) -> list[dict]:
+    def run_one(self, number: int, config: EngineConfig) -> list[Record]:
         from spectie.fingerprint import now
         from spectie.records import recorded_measurement
 
@@ -177,7 +177,7 @@ class MatrixRun:
         is_baseline = config.id == self.matrix.baseline
         done = [recorded_measurement(paths[seed], key) for seed in self.seeds] if self.resume else [None]
         if all(r is not None for r in done):
-            self.log(f"[{number}/{len(self.configs)}] {config.id}: recorded earlier ({done[0]['results']['status']}), "
+            self.log(f"[{number}/{len(self.configs)}] {config.id}: recorded earlier ({done[0].results.status}), "
                      "skipped")
             self.overall.update(config.repeats * len(self.seeds))
             if is_baseline:
@@ -200,12 +200,12 @@ class MatrixRun:
             raise KeyboardInterrupt(f"interrupted during {config.id}; its finished repeats are in {paths[self.seeds[0]]}")
         if is_baseline:
             self.set_baseline(records)
-        stopped = sum(r["results"]["runs_stopped"] for r in records)
-        self.log(f"    {config.id}: {outcome.status}{'' if records[0]['results']['as_expected'] else ' (not as expected)'}"
+        stopped = sum(r.results.runs_stopped for r in records)
+        self.log(f"    {config.id}: {outcome.status}{'' if records[0].results.as_expected else ' (not as expected)'}"
                  f", {stopped}/{len(outcome.repeats)} stopped, {outcome.seconds:.0f} s")
         return records
 
-    def run(self) -> list[dict]:
+    def run(self) -> list[Record]:
         """Every configuration, the baseline first; the records in matrix order. An interruption or a failed baseline
         stops the running engines (their finished repeats are recorded) and is raised."""
         if self.matrix.baseline is None:
@@ -230,7 +230,7 @@ class MatrixRun:
 def run_matrix(matrix: Matrix, model: str, prompts: dict[int, list[int]], environment: str, probe: dict,
                content_hash: str, extra_engine: dict | None = None, model_label: str | None = None,
                resume: bool = True, progress: bool = True, results_dir: Path | None = None,
-               log=print) -> list[dict]:
+               log=print) -> list[Record]:
     """Run every configuration on every prompt (`prompts`: prompt seed -> token ids), `matrix.parallel`
     engines at a time, the baseline first; write and return one record per configuration and prompt
     seed, in matrix order. Raises BaselineFailed (after recording it) if the baseline does not finish."""
