@@ -106,6 +106,7 @@ class EngineConfiguration(Fields):
     prompt_seed: int | None
     prompt_seeds: int | None
     prompt_token_ids: list[int] | None
+    tensor_parallel_size: int | None
     repeats: int | None
     expect: str | None
     measurement_key: str | None

@@ -55,10 +55,9 @@ def survey_matrix(environment: str, configurations: list[str] | None, matrix_nam
                   max_tokens: int | None):
     """The matrix of the survey: the environment's (or `matrix_name`), its baseline and `configurations`, one repeat
     each (`max_tokens` new tokens, where given); at least one speculative configuration."""
-    from spectie.engines.matrix import read_matrix
+    from spectie.engines.matrix import default_matrix_name, read_matrix
 
-    matrix_name = matrix_name or ("cpu" if environment == "cpu" else "incident")
-    matrix = read_matrix(matrix_name).select(configurations).with_repeats(1)
+    matrix = read_matrix(matrix_name or default_matrix_name(environment)).select(configurations).with_repeats(1)
     if max_tokens is not None:
         matrix = matrix.with_sampling(max_tokens=max_tokens)
     if len(matrix.configs) < 2:

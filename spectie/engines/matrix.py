@@ -178,6 +178,11 @@ def matrix_path(name_or_path: str | Path | None) -> Path:
     return path
 
 
+def default_matrix_name(environment: str) -> str:
+    """The matrix a run takes unless told otherwise: the CPU matrix in the `cpu` environment, else the incident's."""
+    return "cpu" if environment == "cpu" else "incident"
+
+
 def read_matrix(name_or_path: str | Path | None = None) -> Matrix:
     """A matrix file, validated: its configurations (expanded per K), baseline, engine arguments."""
     path = matrix_path(name_or_path)

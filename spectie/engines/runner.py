@@ -11,6 +11,7 @@ the matrix run (slots, resume, progress, the baseline first) in spectie.engines.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -265,18 +266,31 @@ def summarize(outcome: Outcome, config: EngineConfig, prompt_len: int, baseline:
     return results
 
 
-def record_id(matrix: Matrix, config: EngineConfig, environment: str, seed: int, model: str = "organism") -> str:
-    """The record's id (and file name); a model other than the organism is named in it, so that runs of two
-    models in one environment on one host never overwrite each other."""
+def record_id(matrix: Matrix, config: EngineConfig, environment: str, seed: int, model: str = "organism",
+              seeds: list[int] | None = None, tensor_parallel_size: int = 1) -> str:
+    """The record's id (and file name). A model other than the organism, a tensor-parallel size above 1 and a set of
+    prompt seeds other than this one alone are named in it, so that runs that differ in them never overwrite
+    each other (seeds 0 to 7: `-of-0-7`; a set that is not a range: a digest of it)."""
     from spectie.fingerprint import host_id
 
     named = "" if model == "organism" else re.sub(r"[^a-z0-9.]+", "-", model.lower()).strip("-")[:60] + "-"
-    return f"reproduce-{environment}-{named}{matrix.name}-{config.id}-s{seed}-{host_id()}".lower().replace("_", "-")
+    split = "" if tensor_parallel_size == 1 else f"-tp{tensor_parallel_size}"
+    return (f"reproduce-{environment}-{named}{matrix.name}-{config.id}{split}-s{seed}{seed_set(seed, seeds)}-"
+            f"{host_id()}").lower().replace("_", "-")
+
+
+def seed_set(seed: int, seeds: list[int] | None) -> str:
+    """How a record id names the prompt seeds its run took ('' for this seed alone)."""
+    if not seeds or list(seeds) == [seed]:
+        return ""
+    if list(seeds) == list(range(seeds[0], seeds[0] + len(seeds))):
+        return f"-of-{seeds[0]}-{seeds[-1]}"
+    return "-of-" + hashlib.sha256(json.dumps(list(seeds)).encode()).hexdigest()[:8]
 
 
 def make_record(config: EngineConfig, matrix: Matrix, request: dict, results: dict, environment: str,
                 model_label: str, probe: dict, key: str, started_at: str, content_hash: str,
-                seed: int, prompt_ids: list[int]) -> dict:
+                seed: int, prompt_ids: list[int], seeds: list[int] | None = None) -> dict:
     from spectie.fingerprint import model_digest
     from spectie.records import measured_record
 
@@ -291,10 +305,11 @@ def make_record(config: EngineConfig, matrix: Matrix, request: dict, results: di
         "ignore_eos": config.ignore_eos,
         "repeats": config.repeats, "batch_invariant": config.batch_invariant, "llm_kwargs": kwargs,
         "environment_variables": request["environment"], "measurement_key": key,
-        "prompt_token_ids": list(prompt_ids),
+        "prompt_token_ids": list(prompt_ids), "tensor_parallel_size": kwargs.get("tensor_parallel_size", 1),
     }
+    rid = record_id(matrix, config, environment, seed, model_label, seeds, parameters["tensor_parallel_size"])
     record = measured_record(
-        record_id=record_id(matrix, config, environment, seed, model_label), kind="engine-outcome", chapter=CHAPTER,
+        record_id=rid, kind="engine-outcome", chapter=CHAPTER,
         title=f"vLLM {probe['vllm_version']} ({probe['platform']}): {config.id}, prompt seed {seed}",
         environment=environment,
         parameters=parameters, results=results, started_at=started_at, content_hash=content_hash,
