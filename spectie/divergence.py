@@ -386,7 +386,7 @@ def pair_from_records(record: Record, baseline: Record, repeat: int = 0) -> dict
 
 def baseline_record(record_path: str | Path) -> Record:
     """The baseline record beside a reproduction record (same folder, the configuration its record names,
-    the same matrix and prompt seed)."""
+    the same run: matrix, model, prompt seed and set, tensor-parallel split)."""
     from spectie.records import read_record
 
     record_path = Path(record_path)
@@ -397,7 +397,8 @@ def baseline_record(record_path: str | Path) -> Record:
     for path in sorted(record_path.parent.glob("*.json")):
         other = read_record(path)
         same_run = other.kind == "engine-outcome" and all(
-            getattr(other.parameters, key) == getattr(record.parameters, key, None) for key in ("matrix", "prompt_seed"))
+            getattr(other.parameters, key) == getattr(record.parameters, key, None)
+            for key in ("matrix", "model", "prompt_seed", "prompt_seeds", "tensor_parallel_size"))
         if same_run and other.parameters.configuration == name:
             return other
     raise UsageError(f"no record of the baseline configuration {name!r} beside {record_path}")

@@ -40,12 +40,16 @@ def where_label(record: Record) -> str:
 
 
 def run_label(record: Record) -> str:
-    """Where a measured run came from: environment, vLLM build, hardware, model."""
-    return f"{record.environment} · {where_label(record)} · {model_name(record)}"
+    """Where a measured run came from: environment, vLLM build, hardware, model (and the tensor-parallel split)."""
+    split = record.parameters.tensor_parallel_size or 1
+    return (f"{record.environment} · {where_label(record)} · {model_name(record)}" +
+            (f" · tensor_parallel_size {split}" if split > 1 else ""))
 
 
 def measured_label(parameters: EngineConfiguration) -> str:
     label = configuration_label(parameters)
+    if (parameters.tensor_parallel_size or 1) > 1:
+        label += f", tensor_parallel_size {parameters.tensor_parallel_size}"
     if parameters.enable_prefix_caching is False:
         label += ", no prefix caching"
     elif parameters.enable_prefix_caching is True:
@@ -77,7 +81,7 @@ def runs_table(records: list[Record]) -> pd.DataFrame:
     rows = []
     for r in measured_runs(records):
         p, res = r.parameters, r.results
-        repeats = res["repeats"]
+        repeats = res.repeats
         same = [x["same_as_baseline"] for x in repeats if x["same_as_baseline"] is not None]
         divergences = [x["first_divergence"] for x in repeats if x["first_divergence"] is not None]
         rate = acceptance(repeats)
@@ -339,9 +343,10 @@ def prompt_seed(record: Record) -> int:
 
 
 def run_key(record: Record) -> tuple:
-    """Which matrix run a record belongs to: environment, host, matrix, model."""
-    return (record.environment, record.fingerprint.host_id, record.parameters.matrix,
-            record.parameters.model)
+    """Which matrix run a record belongs to: environment, host, matrix, model, tensor-parallel size, prompts."""
+    p = record.parameters
+    return (record.environment, record.fingerprint.host_id, p.matrix, p.model, p.tensor_parallel_size or 1,
+            p.prompt_seeds or 1)
 
 
 def first_prompt(records: list[Record]) -> list[Record]:

@@ -16,7 +16,7 @@ from spectie import qwen_shapes
 from spectie.engines.runner import root_cause
 from spectie.record_types import EngineOutcome, Record
 from spectie.reproduce import (CONTEXT_TOKENS, decision_text, first_prompt, measured_runs, parting_text, prompt_seed,
-                               run_label)
+                               run_key, run_label)
 
 
 def _stop(results: EngineOutcome) -> int | None:
@@ -199,12 +199,19 @@ def run_summary(records: list[Record], decisive_output_token: int, pieces) -> st
 
 def one_run(records: list[Record], environment: str) -> list[Record]:
     """The runs of one matrix run in `environment`, on its first prompt: this host's if it made any (what
-    the build just ran), else the first recorded host's. Runs of several hosts or prompts are never mixed."""
+    the build just ran), else the first recorded host's; of a host's runs, the unsplit one with the most repeats
+    (the build's). Runs of several hosts, prompts or splits are never mixed."""
     from spectie.fingerprint import host_id
 
     mine = [r for r in records if r.environment == environment]
     hosts = sorted({r.fingerprint.host_id for r in mine}, key=lambda h: h != host_id())
-    return first_prompt([r for r in mine if hosts and r.fingerprint.host_id == hosts[0]])
+    mine = [r for r in mine if hosts and r.fingerprint.host_id == hosts[0]]
+    runs: dict[tuple, list[Record]] = {}
+    for r in mine:
+        runs.setdefault(run_key(r), []).append(r)
+    chosen = min(runs.values(), key=lambda run: (run_key(run[0])[4], -max(r.parameters.repeats or 0 for r in run),
+                                                 run_key(run[0])[5]), default=[])
+    return first_prompt(chosen)
 
 
 def prose_values() -> dict:

@@ -75,7 +75,7 @@ def test_the_reproduce_chapter_ran_vllm_on_the_organism(built):
                      "Reported and measured, side by side", "reported", "measured", "What this backend could not run"):
         assert expected in text, expected
     records = {r.parameters.configuration: r for r in map(read_record, (root / "results" / "measured").glob(
-        f"cpu-{host_id()}/reproduce/*.json"))}
+        f"cpu-{host_id()}/reproduce/*.json")) if r.parameters.prompt_seeds == 1 and r.parameters.tensor_parallel_size == 1}  # the build's run
     assert {"plain", "mtp-k1", "mtp-k3", "mtp-k8", "ngram", "ngram_gpu"} <= set(records)
     for name in ("plain", "mtp-k1", "mtp-k3"):
         results = records[name].results
@@ -87,7 +87,7 @@ def test_the_reproduce_chapter_ran_vllm_on_the_organism(built):
     assert all(r.results.as_expected for r in records.values()), \
         {n: r.results.status for n, r in records.items() if not r.results.as_expected}
     # The H200's committed records (real CUDA vLLM) are shown beside this build's, labelled with their host.
-    assert "Runs recorded on other hosts" in text and "v0.26.0-h200 · vLLM 0.26.0 (cuda) · NVIDIA H200 · organism" in text
+    assert "Runs recorded on other hosts, or with other parameters" in text and "v0.26.0-h200 · vLLM 0.26.0 (cuda) · NVIDIA H200 · organism" in text
     assert re.search(r"designed decision .* is output token 12 : .* there, by a top-2 logprob margin of", text)
 
 

@@ -583,15 +583,21 @@ def test_one_run_never_mixes_hosts_or_prompts():
     from spectie.fingerprint import host_id
     from spectie.reproduce_page import one_run
 
-    def record(env, host, seed):
-        return typed({"id": f"{env}-{host}-{seed}", "environments": [env], "fingerprint": {"host_id": host},
-                "parameters": {"prompt_seed": seed, "matrix": "m", "model": "organism"}})
+    def record(env, host, seed, split=None, seeds=None, repeats=10):
+        return typed({"id": f"{env}-{host}-{seed}" + (f"-tp{split}" if split else "") + (f"-of{seeds}" if seeds else ""),
+                      "environments": [env], "fingerprint": {"host_id": host},
+                      "parameters": {"prompt_seed": seed, "matrix": "m", "model": "organism", "repeats": repeats,
+                                     "tensor_parallel_size": split, "prompt_seeds": seeds}})
 
     records = [record("cpu", "other", 0), record("cpu", host_id(), 0), record("cpu", host_id(), 1),
                record("v0.26.0-h200", "h200", 0)]
     assert [r.id for r in one_run(records, "cpu")] == [f"cpu-{host_id()}-0"]
     assert [r.id for r in one_run(records[:1] + records[3:], "cpu")] == ["cpu-other-0"]
     assert [r.id for r in one_run(records, "v0.26.0-h200")] == ["v0.26.0-h200-h200-0"]
+    # A host's split run and its run on more prompts with fewer repeats are other runs: the build's is chosen.
+    others = [record("cpu", host_id(), seed, split, 8, 1) for seed in (0, 1) for split in (1, 2)]
+    assert [r.id for r in one_run(others + records, "cpu")] == [f"cpu-{host_id()}-0"]
+    assert [r.id for r in one_run(others, "cpu")] == [f"cpu-{host_id()}-0-tp1-of8"]
     assert one_run(records, "nowhere") == []
 
 
@@ -790,3 +796,25 @@ def test_the_repeat_grid_says_the_classifiers_verdict_beside_a_configuration_tha
     assert "suspected bug" in texts
     assert any(p.get_hatch() == "xx" for p in figure.axes[0].patches)
     assert "classifier: suspected bug" in [t.get_text() for t in figure.axes[0].get_legend().get_texts()]
+
+
+def test_the_runs_table_reads_each_configuration_against_the_baseline():
+    from spectie import reproduce
+
+    def record(name, same, divergence, status="ok"):
+        repeats = [{"token_hash": "a", "finish_reason": "length", "output_tokens": 5, "same_as_baseline": same,
+                    "first_divergence": divergence, "speculation": {"num_draft_tokens": 4, "num_accepted_tokens": 3}}]
+        return typed({"id": f"r-{name}", "fingerprint": {"host_id": "h", "vllm": "0.32.0", "vllm_platform": "cpu"},
+                      "started_at": "2026-12-05T00:00:00+00:00",
+                      "parameters": {"configuration": name, "baseline": "plain", "matrix": "cpu", "model": "organism",
+                                     "method": "none" if name == "plain" else "mtp", "num_speculative_tokens": 1,
+                                     "tensor_parallel_size": 2 if name == "split" else 1},
+                      "results": {"status": status, "repeats": repeats if status == "ok" else [], "distinct_outputs": 1,
+                                  "runs_total": 1, "runs_stopped": 0, "stopped_early": False,
+                                  "model_runner_used": "V1"}})
+
+    table = reproduce.runs_table([record("plain", None, None), record("mtp-k1", False, 11), record("split", True, None)])
+    rows = {row["configuration"]: row for row in table.to_dict("records")}
+    assert rows["plain"]["same as baseline"] == "baseline" and rows["mtp-k1"]["same as baseline"] == "0/1"
+    assert rows["mtp-k1"]["first divergence (output token)"] == 12 and rows["mtp-k1"]["draft acceptance"] == "75%"
+    assert rows["split"]["engine"].endswith("tensor_parallel_size 2") and "tensor_parallel_size 2" in rows["split"]["run"]

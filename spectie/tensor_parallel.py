@@ -1,0 +1,117 @@
+"""One engine on one device against the same engine split over several (tensor_parallel_size): the reproduce
+chapter's comparison, from engine-outcome records of the same matrix, model, configurations and prompts.
+
+A split engine ends every row-parallel layer with an all-reduce, an order of sums that one device never has. For each
+configuration and prompt this says whether the split engine wrote the same tokens, where the two first part and by
+what top-2 margin vLLM served there on each side, and whether the stop moved, both against each other and against
+plain greedy at the same split. Nothing here runs an engine (spectie.engines.matrix_run does).
+"""
+
+from __future__ import annotations
+
+from spectie.completions import first_divergence, stopped_earlier, tokens_written
+from spectie.record_types import Record
+
+RUN_FILES = ("environments/runs/cpu-reproduce-8-seeds.yaml", "environments/runs/cpu-reproduce-tp2.yaml")
+
+
+def ranks(record: Record) -> int:
+    """The tensor-parallel size a record ran with (records made before it was stated ran on one device)."""
+    return record.parameters.tensor_parallel_size or 1
+
+
+def _run(record: Record) -> tuple:
+    p = record.parameters
+    return record.environment, record.fingerprint.host_id, p.matrix, p.model, p.prompt_seeds
+
+
+def pairs(records: list[Record]) -> list[tuple[Record, Record]]:
+    """(one device, split) records of the same environment, host, matrix, model, prompt set, configuration and
+    prompt, where both wrote something; in configuration and prompt order."""
+    ran = [r for r in records if r.kind == "engine-outcome" and r.measured and r.results.repeats]
+    single = {(_run(r), r.parameters.configuration, r.parameters.prompt_seed): r for r in ran if ranks(r) == 1}
+    found = [(single[key], r) for r in ran if ranks(r) > 1
+             and (key := (_run(r), r.parameters.configuration, r.parameters.prompt_seed)) in single]
+    return sorted(found, key=lambda pair: (pair[1].parameters.configuration != pair[1].parameters.baseline,
+                                           pair[1].parameters.configuration, pair[1].parameters.prompt_seed))
+
+
+def _ending(repeat: dict) -> str:
+    return f"{'stop' if repeat['finish_reason'] == 'stop' else 'limit'} after {tokens_written(repeat)}"
+
+
+def _margin(repeat: dict, index: int | None) -> str:
+    margins = repeat.get("top2_margins") or []
+    return f"{margins[index]:.3f}" if index is not None and index < len(margins) else "—"
+
+
+def _earlier_than_plain(record: Record, baselines: dict) -> str:
+    base = baselines.get((_run(record), ranks(record), record.parameters.prompt_seed))
+    if base is None or record.parameters.configuration == record.parameters.baseline:
+        return "—"
+    return "yes" if stopped_earlier(record.results.repeats[0], base) else "no"
+
+
+def rows(records: list[Record]) -> list[dict]:
+    """One row per configuration and prompt run both ways (first repeats)."""
+    baselines = {(_run(r), ranks(r), r.parameters.prompt_seed): r.results.repeats[0] for r in records
+                 if r.kind == "engine-outcome" and r.measured and r.results.repeats
+                 and r.parameters.configuration == r.parameters.baseline}
+    table = []
+    for one, split in pairs(records):
+        a, b = one.results.repeats[0], split.results.repeats[0]
+        at = first_divergence(b["token_ids"], a["token_ids"])
+        table.append({
+            "configuration": split.parameters.configuration, "prompt seed": split.parameters.prompt_seed,
+            "tensor parallel": f"1 / {ranks(split)}", "same tokens": "yes" if at is None else "no",
+            "first parting (output token)": "—" if at is None else at + 1,
+            "top-2 margin there (1 / split)": "—" if at is None else f"{_margin(a, at)} / {_margin(b, at)}",
+            "ending (1 / split)": f"{_ending(a)} / {_ending(b)}",
+            "stop moved": "no" if _ending(a) == _ending(b) else "yes",
+            "stopped earlier than plain (1 / split)": f"{_earlier_than_plain(one, baselines)} / "
+                                                      f"{_earlier_than_plain(split, baselines)}"})
+    return table
+
+
+def summary_text(table: list[dict]) -> str:
+    """The comparison in words, from `rows`."""
+    if not table:
+        return ("not run yet: no split engine is recorded beside the same run on one device (" +
+                "; ".join(f"`make run CHAPTER=reproduce PARAMS={path} ENV=cpu`" for path in RUN_FILES) + ")")
+    runs = len(table)
+    parted = [row for row in table if row["same tokens"] == "no"]
+    moved = [row for row in table if row["stop moved"] == "yes"]
+    text = (f"split over {table[0]['tensor parallel'].split(' / ')[1]} ranks, the engine wrote the same tokens as on "
+            f"one in {runs - len(parted)} of {runs} runs ({len({r['configuration'] for r in table})} configurations × "
+            f"{len({r['prompt seed'] for r in table})} prompts, first repeats)")
+    if parted:
+        text += "; where they part (" + ", ".join(
+            f"{r['configuration']} on prompt {r['prompt seed']} at output token {r['first parting (output token)']}, "
+            f"top-2 margins {r['top-2 margin there (1 / split)']}" for r in parted) + ")"
+    text += (f"; the stop moved in {len(moved)} of them" + (" (" + ", ".join(
+        f"{r['configuration']} on prompt {r['prompt seed']}: {r['ending (1 / split)']}" for r in moved) + ")"
+        if moved else ""))
+    earlier = [{(r["configuration"], r["prompt seed"]) for r in table
+                if r["stopped earlier than plain (1 / split)"].split(" / ")[side] == "yes"} for side in (0, 1)]
+    text += (f"; speculation stopped earlier than plain greedy in {len(earlier[0])} of them on one device and "
+             f"{len(earlier[1])} split")
+    if earlier[0] != earlier[1]:
+        text += " (only on one device: " + (", ".join(f"{c} on prompt {s}" for c, s in sorted(earlier[0] - earlier[1]))
+                                            or "none") + "; only split: " + (
+            ", ".join(f"{c} on prompt {s}" for c, s in sorted(earlier[1] - earlier[0])) or "none") + ")"
+    elif earlier[0]:
+        text += " (the same runs)"
+    return text
+
+
+def page_values(records: list[Record]) -> dict:
+    """The reproduce chapter's tensor-parallel section: the comparison in words, its table and where it came from."""
+    import pandas as pd
+
+    from spectie.pages import capitalised
+    from spectie.records import provenance_line
+
+    table = rows(records)
+    shown = pd.DataFrame(table).style.hide(axis="index") if table else "No split engine is recorded yet."
+    return {"tp_summary": capitalised(summary_text(table)), "tp_table": shown,
+            "tp_provenance": provenance_line([r for pair in pairs(records) for r in pair])}

@@ -1,0 +1,53 @@
+"""One device against a split engine: the comparison turns with the records."""
+
+from conftest import typed
+from spectie import tensor_parallel
+
+
+def run(configuration, seed, tokens, finish="length", tp=None, margins=None):
+    """A first repeat of `configuration` on prompt `seed` that wrote `tokens` (the last one the stop when `finish`
+    is "stop"), with tensor_parallel_size `tp` (None: a record from before the size was stated)."""
+    repeat = {"token_ids": tokens, "output_tokens": len(tokens), "finish_reason": finish, "stop_reason": None,
+              "top2_margins": margins or [1.0] * len(tokens)}
+    return typed({"fingerprint": {"host_id": "h"},
+                  "parameters": {"configuration": configuration, "baseline": "plain", "matrix": "cpu",
+                                 "model": "organism", "prompt_seed": seed, "prompt_seeds": 2,
+                                 "tensor_parallel_size": tp},
+                  "results": {"status": "ok", "repeats": [repeat]}})
+
+
+def test_the_same_tokens_split_and_unsplit_say_so():
+    records = [run(c, s, [1, 2, 3], tp=tp) for c in ("plain", "mtp-k1") for s in (0, 1) for tp in (None, 2)]
+    table = tensor_parallel.rows(records)
+    assert [(r["configuration"], r["prompt seed"], r["same tokens"]) for r in table] == [
+        ("plain", 0, "yes"), ("plain", 1, "yes"), ("mtp-k1", 0, "yes"), ("mtp-k1", 1, "yes")]
+    assert tensor_parallel.summary_text(table) == (
+        "split over 2 ranks, the engine wrote the same tokens as on one in 4 of 4 runs (2 configurations × 2 prompts, "
+        "first repeats); the stop moved in 0 of them; speculation stopped earlier than plain greedy in 0 of them on "
+        "one device and 0 split")
+
+
+def test_a_split_that_moves_a_near_tie_stop_is_named_with_its_margins():
+    eos = 99
+    records = [run("plain", 0, [1, 2, 3, 4], tp=1), run("plain", 0, [1, 2, 3, 4], tp=2),
+               run("mtp-k1", 0, [1, 2, eos], "stop", tp=1, margins=[1.0, 1.0, 0.125]),
+               run("mtp-k1", 0, [1, 2, 3, 4], tp=2, margins=[1.0, 1.0, 0.0625, 1.0]),
+               run("mtp-k3", 0, [1, 2, 3, 4], tp=1)]  # no split run: not compared
+    table = tensor_parallel.rows(records)
+    assert len(table) == 2
+    mtp = table[1]
+    assert (mtp["same tokens"], mtp["first parting (output token)"], mtp["top-2 margin there (1 / split)"]) == \
+        ("no", 3, "0.125 / 0.062")
+    assert (mtp["ending (1 / split)"], mtp["stop moved"]) == ("stop after 2 / limit after 4", "yes")
+    assert mtp["stopped earlier than plain (1 / split)"] == "yes / no"
+    text = tensor_parallel.summary_text(table)
+    assert "the same tokens as on one in 1 of 2 runs" in text
+    assert "mtp-k1 on prompt 0 at output token 3, top-2 margins 0.125 / 0.062" in text
+    assert "the stop moved in 1 of them (mtp-k1 on prompt 0: stop after 2 / limit after 4)" in text
+    assert text.endswith("in 1 of them on one device and 0 split (only on one device: mtp-k1 on prompt 0; only "
+                         "split: none)")
+
+
+def test_without_a_split_run_the_page_says_how_to_run_one():
+    text = tensor_parallel.summary_text(tensor_parallel.rows([run("plain", 0, [1], tp=1)]))
+    assert text.startswith("not run yet") and "PARAMS=environments/runs/cpu-reproduce-tp2.yaml ENV=cpu" in text
