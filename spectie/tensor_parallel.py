@@ -40,9 +40,10 @@ def _ending(repeat: dict) -> str:
     return f"{'stop' if repeat['finish_reason'] == 'stop' else 'limit'} after {tokens_written(repeat)}"
 
 
-def _margin(repeat: dict, index: int | None) -> str:
+def _margin(repeat: dict, index: int | None) -> float | None:
+    """vLLM's top-2 logprob margin at an output token, where it was recorded."""
     margins = repeat.get("top2_margins") or []
-    return f"{margins[index]:.3f}" if index is not None and index < len(margins) else "—"
+    return margins[index] if index is not None and index < len(margins) else None
 
 
 def _earlier_than_plain(record: Record, baselines: dict) -> str:
@@ -62,10 +63,11 @@ def rows(records: list[Record]) -> list[dict]:
         a, b = one.results.repeats[0], split.results.repeats[0]
         at = first_divergence(b["token_ids"], a["token_ids"])
         table.append({
+            "environment": split.environment, "model": split.parameters.model,
             "configuration": split.parameters.configuration, "prompt seed": split.parameters.prompt_seed,
             "tensor parallel": f"1 / {ranks(split)}", "same tokens": "yes" if at is None else "no",
             "first parting (output token)": "—" if at is None else at + 1,
-            "top-2 margin there (1 / split)": "—" if at is None else f"{_margin(a, at)} / {_margin(b, at)}",
+            "top-2 margin there, 1": _margin(a, at), "top-2 margin there, split": _margin(b, at),
             "ending (1 / split)": f"{_ending(a)} / {_ending(b)}",
             "stop moved": "no" if _ending(a) == _ending(b) else "yes",
             "stopped earlier than plain (1 / split)": f"{_earlier_than_plain(one, baselines)} / "
@@ -73,8 +75,9 @@ def rows(records: list[Record]) -> list[dict]:
     return table
 
 
-def summary_text(table: list[dict]) -> str:
-    """The comparison in words, from `rows`."""
+def summary_text(table: list[dict], decision: int | None = None, seed: int = 0) -> str:
+    """The comparison in words, from `rows`; `decision`: the designed decision (1-based output token) of prompt `seed`,
+    where the organism's designed end-of-text/DATA tie is."""
     if not table:
         return ("not run yet: no split engine is recorded beside the same run on one device (" +
                 "; ".join(f"`make run CHAPTER=reproduce PARAMS={path} ENV=cpu`" for path in RUN_FILES) + ")")
@@ -85,15 +88,31 @@ def summary_text(table: list[dict]) -> str:
             f"one in {runs - len(parted)} of {runs} runs ({len({r['configuration'] for r in table})} configurations × "
             f"{len({r['prompt seed'] for r in table})} prompts, first repeats)")
     if parted:
-        text += "; where they part (" + ", ".join(
-            f"{r['configuration']} on prompt {r['prompt seed']} at output token {r['first parting (output token)']}, "
-            f"top-2 margins {r['top-2 margin there (1 / split)']}" for r in parted) + ")"
-    text += (f"; the stop moved in {len(moved)} of them" + (" (" + ", ".join(
-        f"{r['configuration']} on prompt {r['prompt seed']}: {r['ending (1 / split)']}" for r in moved) + ")"
-        if moved else ""))
+        at = sorted(r["first parting (output token)"] for r in parted)
+        margins = [[m for m in (r["top-2 margin there, 1"], r["top-2 margin there, split"]) if m is not None]
+                   for r in parted]
+        smallest, largest = [min(pair) for pair in margins if pair], [max(pair) for pair in margins if pair]
+        text += f"; the other {len(parted)} first part at output tokens {at[0]} to {at[-1]}"
+        if smallest and max(smallest) == 0:
+            text += (", each at an exact tie in vLLM's logprobs on one side (top-2 margin 0), the other side's margin "
+                     f"at most {max(largest):.3f} logits")
+        elif smallest:
+            text += (f", where vLLM's top-2 logprob margin was at most {max(smallest):.3f} logits on one side "
+                     f"({smallest.count(0)} of them exactly 0) and at most {max(largest):.3f} on either")
+    if decision is not None:
+        mine = [r for r in table if r["prompt seed"] == seed]
+        early = [r["configuration"] for r in mine if r["same tokens"] == "no"
+                 and r["first parting (output token)"] <= decision]
+        if mine:
+            text += (f"; on prompt {seed} (the incident's layout) " + (
+                f"{', '.join(early)} part at or before the designed decision (output token {decision})" if early else
+                f"every configuration wrote the same tokens split and unsplit through the designed decision (output "
+                f"token {decision}): the designed tie did not move"))
+    text += ("; no stop moved" if not moved else f"; the stop moved in {len(moved)} of the {runs} runs (" + ", ".join(
+        f"{r['configuration']} on prompt {r['prompt seed']}: {r['ending (1 / split)']}" for r in moved) + ")")
     earlier = [{(r["configuration"], r["prompt seed"]) for r in table
                 if r["stopped earlier than plain (1 / split)"].split(" / ")[side] == "yes"} for side in (0, 1)]
-    text += (f"; speculation stopped earlier than plain greedy in {len(earlier[0])} of them on one device and "
+    text += (f"; speculation stopped earlier than plain greedy in {len(earlier[0])} runs on one device and "
              f"{len(earlier[1])} split")
     if earlier[0] != earlier[1]:
         text += " (only on one device: " + (", ".join(f"{c} on prompt {s}" for c, s in sorted(earlier[0] - earlier[1]))
@@ -103,8 +122,7 @@ def summary_text(table: list[dict]) -> str:
         text += " (the same runs)"
     return text
 
-
-def page_values(records: list[Record]) -> dict:
+def page_values(records: list[Record], decision: int | None = None, seed: int = 0) -> dict:
     """The reproduce chapter's tensor-parallel section: the comparison in words, its table and where it came from."""
     import pandas as pd
 
@@ -112,6 +130,7 @@ def page_values(records: list[Record]) -> dict:
     from spectie.records import provenance_line
 
     table = rows(records)
-    shown = pd.DataFrame(table).style.hide(axis="index") if table else "No split engine is recorded yet."
-    return {"tp_summary": capitalised(summary_text(table)), "tp_table": shown,
+    shown = (pd.DataFrame(table).style.hide(axis="index").format(precision=3, na_rep="—") if table
+             else "No split engine is recorded yet.")
+    return {"tp_summary": capitalised(summary_text(table, decision, seed)), "tp_table": shown,
             "tp_provenance": provenance_line([r for pair in pairs(records) for r in pair])}

