@@ -126,11 +126,12 @@ def page_values(records: list[Record], decision: int | None = None, seed: int = 
     """The reproduce chapter's tensor-parallel section: the comparison in words, its table and where it came from."""
     import pandas as pd
 
-    from spectie.pages import capitalised
+    from spectie.pages import capitalised, folded
     from spectie.records import provenance_line
 
     table = rows(records)
-    shown = (pd.DataFrame(table).style.hide(axis="index").format(precision=3, na_rep="—") if table
+    shown = (folded(pd.DataFrame(table).style.hide(axis="index").format(precision=3, na_rep="—"),
+                    "Per configuration and prompt, one process against a split engine (table)") if table
              else "No split engine is recorded yet.")
     return {"tp_summary": capitalised(summary_text(table, decision, seed)), "tp_table": shown,
             "tp_provenance": provenance_line([r for pair in pairs(records) for r in pair])}
