@@ -122,12 +122,12 @@ def test_the_guidance_chapter_backs_each_workaround_with_records(built):
     assert re.search(r"it caught \d+ of \d+ \(\d+%\) truncations planted at near-ties and \d+ of \d+ \(\d+%\) planted "
                      r"at confident positions", text)
     [path] = (root / "results" / "measured").glob(f"cpu-{host_id()}/guidance/tiestop-injection-cpu-*.json")
-    assert json.loads(path.read_text())["parameters"]["new_tokens"] == 200
+    assert read_record(path).parameters.new_tokens == 200
     # The guard through vllm serve: the page says what this host's record of the build says.
     from spectie import guidance_survey
 
     [path] = (root / "results" / "measured").glob(f"cpu-{host_id()}/guidance/guard-survey-cpu-*.json")
-    record = json.loads(path.read_text())
+    record = read_record(path)
     sentence = re.sub(r"\s+", " ", guidance_survey.guard_sentence(record).replace("`", ""))
     assert sentence in text.replace("’", "'"), sentence
     assert "run behind the guard" in text and "spectie guard serve --upstream" in text
