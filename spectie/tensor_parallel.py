@@ -9,6 +9,8 @@ plain greedy at the same split. Nothing here runs an engine (spectie.engines.mat
 
 from __future__ import annotations
 
+import statistics
+
 from spectie.completions import first_divergence, stopped_earlier, tokens_written
 from spectie.record_types import Record
 
@@ -53,6 +55,19 @@ def _earlier_than_plain(record: Record, baselines: dict) -> str:
     return "yes" if stopped_earlier(record.results.repeats[0], base) else "no"
 
 
+def margin_shifts(records: list[Record]) -> list[float]:
+    """How far the split moved vLLM's top-2 logprob margin, at every output token where both sides had written the
+    same tokens before it (first repeats): the split's own rounding, read where it has not yet changed a token."""
+    shifts = []
+    for one, split in pairs(records):
+        a, b = one.results.repeats[0], split.results.repeats[0]
+        at = first_divergence(b["token_ids"], a["token_ids"])
+        same = len(a["token_ids"]) if at is None else at + 1  # at the parting token the context is still the same
+        here, there = (a.get("top2_margins") or [])[:same], (b.get("top2_margins") or [])[:same]
+        shifts += [abs(x - y) for x, y in zip(here, there)]
+    return shifts
+
+
 def rows(records: list[Record]) -> list[dict]:
     """One row per configuration and prompt run both ways (first repeats)."""
     baselines = {(_run(r), ranks(r), r.parameters.prompt_seed): r.results.repeats[0] for r in records
@@ -75,9 +90,9 @@ def rows(records: list[Record]) -> list[dict]:
     return table
 
 
-def summary_text(table: list[dict], decision: int | None = None, seed: int = 0) -> str:
-    """The comparison in words, from `rows`; `decision`: the designed decision (1-based output token) of prompt `seed`,
-    where the organism's designed end-of-text/DATA tie is."""
+def summary_text(table: list[dict], decision: int | None = None, seed: int = 0, shifts: list[float] = ()) -> str:
+    """The comparison in words, from `rows` and `margin_shifts`; `decision`: the designed decision (1-based output
+    token) of prompt `seed`, where the organism's designed end-of-text/DATA tie is."""
     if not table:
         return ("not run yet: no split engine is recorded beside the same run on one device (" +
                 "; ".join(f"`make run CHAPTER=reproduce PARAMS={path} ENV=cpu`" for path in RUN_FILES) + ")")
@@ -87,40 +102,62 @@ def summary_text(table: list[dict], decision: int | None = None, seed: int = 0) 
     text = (f"split over {table[0]['tensor parallel'].split(' / ')[1]} ranks, the engine wrote the same tokens as on "
             f"one in {runs - len(parted)} of {runs} runs ({len({r['configuration'] for r in table})} configurations × "
             f"{len({r['prompt seed'] for r in table})} prompts, first repeats)")
-    if parted:
-        at = sorted(r["first parting (output token)"] for r in parted)
-        margins = [[m for m in (r["top-2 margin there, 1"], r["top-2 margin there, split"]) if m is not None]
-                   for r in parted]
-        smallest, largest = [min(pair) for pair in margins if pair], [max(pair) for pair in margins if pair]
-        text += f"; the other {len(parted)} first part at output tokens {at[0]} to {at[-1]}"
-        if smallest and max(smallest) == 0:
-            text += (", each at an exact tie in vLLM's logprobs on one side (top-2 margin 0), the other side's margin "
-                     f"at most {max(largest):.3f} logits")
-        elif smallest:
-            text += (f", where vLLM's top-2 logprob margin was at most {max(smallest):.3f} logits on one side "
-                     f"({smallest.count(0)} of them exactly 0) and at most {max(largest):.3f} on either")
-    if decision is not None:
-        mine = [r for r in table if r["prompt seed"] == seed]
-        early = [r["configuration"] for r in mine if r["same tokens"] == "no"
-                 and r["first parting (output token)"] <= decision]
-        if mine:
-            text += (f"; on prompt {seed} (the incident's layout) " + (
-                f"{', '.join(early)} part at or before the designed decision (output token {decision})" if early else
-                f"every configuration wrote the same tokens split and unsplit through the designed decision (output "
-                f"token {decision}): the designed tie did not move"))
+    text += _partings(parted) + _shifts(shifts) + _designed_tie(table, decision, seed)
     text += ("; no stop moved" if not moved else f"; the stop moved in {len(moved)} of the {runs} runs (" + ", ".join(
         f"{r['configuration']} on prompt {r['prompt seed']}: {r['ending (1 / split)']}" for r in moved) + ")")
+    return text + _earlier_than_plain_text(table)
+
+
+def _partings(parted: list[dict]) -> str:
+    if not parted:
+        return ""
+    at = sorted(r["first parting (output token)"] for r in parted)
+    margins = [[m for m in (r["top-2 margin there, 1"], r["top-2 margin there, split"]) if m is not None]
+               for r in parted]
+    smallest, largest = [min(pair) for pair in margins if pair], [max(pair) for pair in margins if pair]
+    text = f"; the other {len(parted)} first part at output tokens {at[0]} to {at[-1]}"
+    if smallest and max(smallest) == 0:
+        return text + (", each at an exact tie in vLLM's logprobs on one side (top-2 margin 0), the other side's "
+                       f"margin at most {max(largest):.3f} logits")
+    if smallest:
+        return text + (f", where vLLM's top-2 logprob margin was at most {max(smallest):.3f} logits on one side "
+                       f"({smallest.count(0)} of them exactly 0) and at most {max(largest):.3f} on either")
+    return text
+
+
+def _shifts(shifts: list[float]) -> str:
+    if not shifts:
+        return ""
+    shifted = [shift for shift in shifts if shift > 0]
+    return (f"; where both had written the same tokens, the split moved vLLM's top-2 margin at {len(shifted)} of "
+            f"{len(shifts)} output tokens" + (f", by at most {max(shifted):.3f} logits (median of those moved "
+                                              f"{statistics.median(shifted):.3f})" if shifted else ""))
+
+
+def _designed_tie(table: list[dict], decision: int | None, seed: int) -> str:
+    mine = [r for r in table if r["prompt seed"] == seed]
+    if decision is None or not mine:
+        return ""
+    early = [r["configuration"] for r in mine
+             if r["same tokens"] == "no" and r["first parting (output token)"] <= decision]
+    return f"; on prompt {seed} (the incident's layout) " + (
+        f"{', '.join(early)} part at or before the designed decision (output token {decision})" if early else
+        f"every configuration wrote the same tokens split and unsplit through the designed decision (output token "
+        f"{decision}): the designed tie did not move")
+
+
+def _earlier_than_plain_text(table: list[dict]) -> str:
     earlier = [{(r["configuration"], r["prompt seed"]) for r in table
                 if r["stopped earlier than plain (1 / split)"].split(" / ")[side] == "yes"} for side in (0, 1)]
-    text += (f"; speculation stopped earlier than plain greedy in {len(earlier[0])} runs on one device and "
-             f"{len(earlier[1])} split")
+    text = (f"; speculation stopped earlier than plain greedy in {len(earlier[0])} runs on one device and "
+            f"{len(earlier[1])} split")
     if earlier[0] != earlier[1]:
-        text += " (only on one device: " + (", ".join(f"{c} on prompt {s}" for c, s in sorted(earlier[0] - earlier[1]))
-                                            or "none") + "; only split: " + (
-            ", ".join(f"{c} on prompt {s}" for c, s in sorted(earlier[1] - earlier[0])) or "none") + ")"
-    elif earlier[0]:
-        text += " (the same runs)"
-    return text
+        def named(runs):
+            return ", ".join(f"{c} on prompt {s}" for c, s in sorted(runs)) or "none"
+        return (text + f" (only on one device: {named(earlier[0] - earlier[1])}; "
+                       f"only split: {named(earlier[1] - earlier[0])})")
+    return text + (" (the same runs)" if earlier[0] else "")
+
 
 def page_values(records: list[Record], decision: int | None = None, seed: int = 0) -> dict:
     """The reproduce chapter's tensor-parallel section: the comparison in words, its table and where it came from."""
@@ -133,5 +170,6 @@ def page_values(records: list[Record], decision: int | None = None, seed: int = 
     shown = (folded(pd.DataFrame(table).style.hide(axis="index").format(precision=3, na_rep="—"),
                     "Per configuration and prompt, one process against a split engine (table)") if table
              else "No split engine is recorded yet.")
-    return {"tp_summary": capitalised(summary_text(table, decision, seed)), "tp_table": shown,
+    text = summary_text(table, decision, seed, margin_shifts(records))
+    return {"tp_summary": capitalised(text), "tp_table": shown,
             "tp_provenance": provenance_line([r for pair in pairs(records) for r in pair])}

@@ -57,3 +57,13 @@ def test_a_split_that_moves_a_near_tie_stop_is_named_with_its_margins():
 def test_without_a_split_run_the_page_says_how_to_run_one():
     text = tensor_parallel.summary_text(tensor_parallel.rows([run("plain", 0, [1], tp=1)]))
     assert text.startswith("not run yet") and "PARAMS=environments/runs/cpu-reproduce-tp2.yaml ENV=cpu" in text
+
+
+def test_the_splits_margin_shifts_are_read_where_both_wrote_the_same_tokens():
+    records = [run("plain", 0, [1, 2, 3, 4], tp=1, margins=[1.0, 0.5, 0.0, 2.0]),
+               run("plain", 0, [1, 2, 5, 4], tp=2, margins=[1.0, 0.625, 0.25, 9.0])]
+    shifts = tensor_parallel.margin_shifts(records)
+    assert shifts == [0.0, 0.125, 0.25]  # through the parting token (same context), not after it
+    text = tensor_parallel.summary_text(tensor_parallel.rows(records), shifts=shifts)
+    assert ("where both had written the same tokens, the split moved vLLM's top-2 margin at 2 of 3 output tokens, by "
+            "at most 0.250 logits (median of those moved 0.188)") in text
