@@ -162,6 +162,7 @@ def _earlier_than_plain_text(table: list[dict]) -> str:
 def page_values(records: list[Record], decision: int | None = None, seed: int = 0) -> dict:
     """The reproduce chapter's tensor-parallel section: the comparison in words, its table and where it came from."""
     import pandas as pd
+    from IPython.display import Markdown
 
     from spectie.pages import capitalised, folded
     from spectie.records import provenance_line
@@ -172,4 +173,4 @@ def page_values(records: list[Record], decision: int | None = None, seed: int = 
              else "No split engine is recorded yet.")
     text = summary_text(table, decision, seed, margin_shifts(records))
     return {"tp_summary": capitalised(text), "tp_table": shown,
-            "tp_provenance": provenance_line([r for pair in pairs(records) for r in pair])}
+            "tp_provenance": Markdown(provenance_line([r for pair in pairs(records) for r in pair]))}
