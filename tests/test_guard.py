@@ -4,6 +4,7 @@ what is never changed, and how far it resumes. tests/test_served.py puts it in f
 import httpx
 import pytest
 
+from conftest import typed
 from spectie import guard
 from spectie.errors import UsageError
 from spectie.record_types import Record
@@ -108,10 +109,8 @@ def test_the_chapters_figures_and_sentence_follow_the_record():
                             "extra_requests": resumed}}
 
     def survey(rows: list[dict]) -> Record:
-        return Record.from_dict({"schema_version": 1, "id": "guard-survey-test", "provenance": "measured",
-                                 "kind": "guard-survey", "chapter": "guidance", "title": "a test record",
-                                 "environments": ["cpu"], "parameters": {},
-                                 "results": {"vllm_version": "0.32.0", "backend": "cpu", "prompts": rows}})
+        return typed({"id": "guard-survey-test", "kind": "guard-survey", "chapter": "guidance",
+                      "results": {"vllm_version": "0.32.0", "backend": "cpu", "prompts": rows}})
 
     record = survey([row(True, 1, 2.0, 3.0), row(False, 0, 2.0, 2.1), row(False, 0, 4.0, 4.1)])
     figures = guidance_survey.guard_summary(record)

@@ -1,14 +1,14 @@
 """The guidance chapter's wording helpers, on hand-made rows (the chapter itself is tested in test_book)."""
 
+from conftest import typed
 from spectie import guidance, guidance_classifier, guidance_survey, incident
 from spectie.record_types import Record
 
 
 def _record(kind, record_id="test", parameters=None, results=None, environment="cpu", **fields) -> Record:
     """A record of `kind` with the fields a stored one has, cut down to what the test reads."""
-    return Record.from_dict({"schema_version": 1, "id": record_id, "provenance": "measured", "kind": kind,
-                             "chapter": "guidance", "title": "a test record", "environments": [environment],
-                             "parameters": parameters or {}, "results": results or {}, **fields})
+    return typed({"id": record_id, "kind": kind, "chapter": "guidance", "environments": [environment],
+                  "parameters": parameters or {}, "results": results or {}, **fields})
 
 
 def _rows(**counts):

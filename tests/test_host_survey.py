@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from conftest import NEAR_TIE_PROMPT, run_cli, run_main
+from conftest import NEAR_TIE_PROMPT, run_cli, run_main, typed
 from spectie import guidance_survey, host, survey
 from spectie.environments import get_environment
 from spectie.errors import UsageError
@@ -158,9 +158,8 @@ def completion(ids, finish="stop", margin=None, top2=None):
 
 def _survey(kind: str, parameters: dict, results: dict) -> Record:
     """A record of the survey's `kind` with the fields a stored one has, cut down to what the test reads."""
-    return Record.from_dict({"schema_version": 1, "id": f"{kind}-test", "provenance": "measured", "kind": kind,
-                             "chapter": "guidance", "title": "a test record", "environments": ["cpu"],
-                             "parameters": parameters, "results": results})
+    return typed({"id": f"{kind}-test", "kind": kind, "chapter": "guidance", "parameters": parameters,
+                  "results": results})
 
 
 def test_tally_separates_ordinary_from_moved_stops():

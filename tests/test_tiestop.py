@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, typed
 from spectie import thresholds, tiestop
 from spectie.errors import UsageError
 from spectie.record_types import Record
@@ -12,9 +12,8 @@ from spectie.record_types import Record
 
 def _logit_comparison(record_id: str, rows: list[dict], **fields) -> Record:
     """A logit-comparison record with the fields a stored one has, cut down to what the thresholds read."""
-    return Record.from_dict({"schema_version": 1, "id": record_id, "provenance": "measured", "kind": "logit-comparison",
-                             "chapter": "margins", "title": "a test record", "environments": ["cpu"],
-                             "parameters": {}, "results": {"rows": rows}, **fields})
+    return typed({"id": record_id, "kind": "logit-comparison", "chapter": "margins", "results": {"rows": rows},
+                  **fields})
 
 
 def completion_response(last_top: dict, finish_reason="stop", tokens=("a", "b", "")):
