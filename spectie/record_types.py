@@ -51,6 +51,7 @@ class Fingerprint(Fields):
     host_id: str
     os: str
     cpu: str
+    cpu_flags: list[str] | None
     gpu: str | None
     gpu_driver: str | None
     gpu_uuids: list[str] | None

@@ -254,7 +254,7 @@ def provenance_line(records: list[Record]) -> str:
         parts.append(f"{len(reported)} reported (the incident)")
     if measured:
         prints = [r.fingerprint for r in measured]
-        hosts = sorted({f"{f.gpu or 'CPU'} (host {f.host_id})" for f in prints})
+        hosts = sorted({f"{f.gpu or 'CPU: ' + f.cpu} (host {f.host_id})" for f in prints})
         commits = sorted({"unknown" if not f.source_commit else
                           f.source_commit[:7] + (" (uncommitted changes)" if f.source_dirty else "")
                           for f in prints})

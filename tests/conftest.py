@@ -27,9 +27,32 @@ SLOW_FILES = ["test_reproduce.py", "test_served.py", "test_book.py", "test_diver
               "test_reduction_order.py", "test_cli_fuzz.py", "test_organism.py", "test_guard.py", "test_host_survey.py",
               "test_chapters.py"]
 
-# The survey's near-tie stop (results/measured/cpu-*/guidance/tiestop-survey-*.json): this listing prompt (tokens,
-# seed) ends on end-of-text by one bf16 step over DATA under MTP speculation, and runs on under plain greedy decoding.
-NEAR_TIE_PROMPT = (1024, 19)
+
+
+def this_hosts_survey(request):
+    """This host's tie-stop survey record (vLLM's CPU build on the organism, plain and MTP): the checkout's own where
+    this host's is committed, else the one the book's build measured (the `built` fixture)."""
+    from spectie.fingerprint import host_id
+    from spectie.records import read_record
+
+    pattern = f"cpu-{host_id()}/guidance/tiestop-survey-cpu-*.json"
+    paths = sorted((ROOT / "results" / "measured").glob(pattern)) or \
+        sorted((request.getfixturevalue("built")[0] / "results" / "measured").glob(pattern))
+    [path] = paths
+    return read_record(path)
+
+
+def survey_near_tie(record, threshold: float):
+    """The survey's first listing prompt whose MTP-K1 completion ends on end-of-text within `threshold` logits of its
+    runner-up while plain greedy decoding writes on past that token: ((tokens, seed), the stop), or None where this
+    host's kernels made no such stop (the numbers differ by CPU: the survey says where the ties fell here)."""
+    for row in record.results.prompts:
+        mtp, plain = row["completions"].get("mtp-k1"), row["completions"].get(record.parameters.baseline)
+        stop = mtp and mtp["finish_reason"] == "stop" and mtp["stop_margin"]
+        if stop and stop["stop_token"].startswith("<|endoftext|>") and 0 <= stop["margin"] <= threshold \
+                and plain["output_tokens"] > stop["position"]:
+            return (row["tokens"], row["seed"]), stop
+    return None
 
 
 def pytest_collection_modifyitems(items):

