@@ -226,3 +226,39 @@ def guard_sentence(record: Record | None) -> str:
             f"alone was {s['added_median_s']:+.2f} s at the median and {s['added_p95_s']:+.2f} s at the 95th "
             f"percentile (a completion took {s['direct_median_s']:.2f} s without it, on this host)")
 
+
+
+def probe_values() -> dict:
+    """The glue values of the server-probe finding: every host's record of `vllm serve` on one- and two-token
+    prompts (spectie.serve_probe), in words."""
+    from spectie import serve_probe
+
+    records = load_records(chapter=serve_probe.CHAPTER, kind=serve_probe.KIND)
+    return {"probe_text": probe_sentence(records),
+            "probe_provenance": provenance_line(records) if records else "no record yet"}
+
+
+def probe_sentence(records: list[Record]) -> str:
+    """Whether `vllm serve` survived a one-token prompt, per host that measured it; that it was not measured yet, and
+    the command, where no host did."""
+    from spectie.serve_probe import COMMAND, died_on_one_token
+
+    if not records:
+        return (f"Whether vllm serve survives a one-token prompt has not been measured yet: `{COMMAND}` measures it "
+                "on a host")
+    said = []
+    for record in sorted(records, key=lambda r: (r.fingerprint.cpu, r.fingerprint.host_id)):
+        servers = record.results.servers
+        died = [name for name in servers if died_on_one_token(record, name)]
+        where = (f"on {record.fingerprint.gpu or record.fingerprint.cpu} (host {record.fingerprint.host_id}), vLLM "
+                 f"{record.results.vllm_version} ({record.results.backend}) serving {record.parameters.model}")
+        if not died:
+            said.append(f"{where} answered prompts of one and two tokens ({', '.join(servers)})")
+            continue
+        one = servers[died[0]]["requests"][1]
+        error = servers[died[0]]["log_error"]
+        said.append(f"{where} answered two tokens, but a one-token prompt ended the server ({', '.join(died)} of "
+                    f"{', '.join(servers)}): HTTP {one['status'] or 'no answer'}, then no answer to any request"
+                    + (f"; its log: `{error}`" if error else ""))
+    return ("A one-token prompt is a hazard of the server, not of the guard, which never sends one of its own (its "
+            "probe is two tokens): " + "; ".join(said) + f" (`{COMMAND}` re-runs it)")

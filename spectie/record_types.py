@@ -339,6 +339,23 @@ class VerdictRows(Fields):
     rows: list[dict]
 
 
+@_optional
+class ProbeParameters(Fields):
+    """vllm serve on the shortest prompts (spectie.serve_probe)."""
+    model: str
+    steps: list[dict]
+    request: dict
+    command: str
+    measurement_key: str
+
+
+@_optional
+class ProbeResults(Fields):
+    vllm_version: str
+    backend: str
+    servers: dict  # server name -> {speculative_config, requests, process_running_after, log_error}
+
+
 KINDS: dict[str, tuple[type[Fields], type[Fields]]] = {
     "incident-configuration": (IncidentParameters, IncidentClaims),
     "related-report": (NoParameters, RelatedReport),
@@ -354,6 +371,7 @@ KINDS: dict[str, tuple[type[Fields], type[Fields]]] = {
     "tiestop-injection": (SurveyParameters, SurveyResults),
     "guard-survey": (SurveyParameters, SurveyResults),
     "divergence-verdicts": (VerdictParameters, VerdictRows),
+    "server-probe": (ProbeParameters, ProbeResults),
 }
 
 

@@ -202,3 +202,31 @@ def test_an_upstream_that_fails_is_its_failure_in_one_line(monkeypatch, tmp_path
     assert result.returncode == 2 and result.stderr.splitlines()[-1].startswith(
         "error: request 1 of 1: the upstream http://upstream answered HTTP 503"), result.stderr
     assert out.read_text() == ""
+
+
+def test_the_server_probe_finding_is_said_per_host_from_its_records():
+    """The guidance's sentence on `vllm serve` and one-token prompts: per host, died or answered, from the record;
+    not measured yet, with the command, where no record is."""
+    from spectie import guidance_survey, serve_probe
+
+    def probe(host: str, cpu: str, one_token_status):
+        requests = [{"step": "two tokens", "prompt_tokens": 2, "status": 200, "said": "length"},
+                    {"step": "one token", "prompt_tokens": 1, "status": one_token_status, "said": "x"},
+                    {"step": "two tokens again", "prompt_tokens": 2, "status": one_token_status, "said": "x"}]
+        error = "RuntimeError: causal_conv1d_fwd_cpu: expect x to be transposed" if one_token_status != 200 else None
+        return typed({"kind": "server-probe", "chapter": "guidance", "parameters": {"model": "organism"},
+                      "fingerprint": {"host_id": host, "os": "Linux", "cpu": cpu, "gpu": None, "gpu_driver": None,
+                                      "cuda": None, "python": "3.11", "torch": "2.10", "transformers": "5",
+                                      "vllm": "0.32.0", "dtype": "bfloat16"},
+                      "results": {"vllm_version": "0.32.0", "backend": "cpu", "servers": {
+                          name: {"requests": requests, "log_error": error, "process_running_after": True}
+                          for name in ("plain", "mtp-k1")}}})
+
+    intel, amd = probe("b1", "Intel(R) Xeon(R) Processor", 500), probe("a1", "AMD EPYC 9R14", 200)
+    assert serve_probe.died_on_one_token(intel, "mtp-k1") and not serve_probe.died_on_one_token(amd, "plain")
+    text = guidance_survey.probe_sentence([intel, amd])
+    assert text.index("AMD EPYC 9R14 (host a1)") < text.index("Intel(R) Xeon(R) Processor (host b1)")
+    assert "(host a1), vLLM 0.32.0 (cpu) serving organism answered prompts of one and two tokens (plain, mtp-k1)" in text
+    assert "a one-token prompt ended the server (plain, mtp-k1 of plain, mtp-k1): HTTP 500" in text
+    assert "expect x to be transposed" in text
+    assert "not been measured yet: `python -m spectie.serve_probe`" in guidance_survey.probe_sentence([])
