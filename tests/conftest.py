@@ -43,15 +43,16 @@ def this_hosts_survey(request):
 
 
 def survey_near_tie(record, threshold: float):
-    """The survey's first listing prompt whose MTP-K1 completion ends on end-of-text within `threshold` logits of its
-    runner-up while plain greedy decoding writes on past that token: ((tokens, seed), the stop), or None where this
-    host's kernels made no such stop (the numbers differ by CPU: the survey says where the ties fell here)."""
-    for row in record.results.prompts:
-        mtp, plain = row["completions"].get("mtp-k1"), row["completions"].get(record.parameters.baseline)
-        stop = mtp and mtp["finish_reason"] == "stop" and mtp["stop_margin"]
-        if stop and stop["stop_token"].startswith("<|endoftext|>") and 0 <= stop["margin"] <= threshold \
-                and plain["output_tokens"] > stop["position"]:
-            return (row["tokens"], row["seed"]), stop
+    """The survey's first completion, MTP-K1's or else plain greedy's, that ends on end-of-text within `threshold`
+    logits of its runner-up: (configuration, (tokens, seed), the stop), or None. Which decoding stops at a tie
+    depends on the CPU's kernels (on an AMD EPYC MTP-K1 stopped where plain wrote on; on an Intel Xeon plain
+    stopped where MTP-K1 wrote on): the survey says where the ties fell on this host."""
+    for configuration in ("mtp-k1", record.parameters.baseline):
+        for row in record.results.prompts:
+            completion = row["completions"].get(configuration)
+            stop = completion and completion["finish_reason"] == "stop" and completion["stop_margin"]
+            if stop and stop["stop_token"].startswith("<|endoftext|>") and 0 <= stop["margin"] <= threshold:
+                return configuration, (row["tokens"], row["seed"]), stop
     return None
 
 

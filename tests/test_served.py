@@ -3,6 +3,7 @@ responses, and what the guard changes (`spectie guard serve` in front of it, and
 Plain decoding's outputs of the same prompts are checked on the records the build wrote (tests/test_reproduce.py,
 tests/test_guidance.py): one server start is ~30 s of CPU."""
 
+import contextlib
 import json
 import os
 import signal
@@ -26,19 +27,19 @@ def start(command: list[str], log) -> subprocess.Popen:
                             env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
 
 
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    """The MTP server (one speculative token) and `spectie guard serve` in front of it: {"mtp": url, "mtp guard": url}."""
-    logs = tmp_path_factory.mktemp("serve")
-    ports = {name: free_port() for name in ("mtp", "mtp guard")}
+@contextlib.contextmanager
+def started_servers(logs, speculative):
+    """`vllm serve` of the organism (with `speculative`, or plain) and `spectie guard serve` in front of it:
+    {"server": url, "guard": url} while the block runs."""
+    ports = {name: free_port() for name in ("server", "guard")}
     urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
-    processes = {"mtp": start(serve_command(sys.executable, resolve_model("organism"), ports["mtp"], SPECULATIVE),
-                              logs / "mtp.log")}
+    processes = {"server": start(serve_command(sys.executable, resolve_model("organism"), ports["server"], speculative),
+                                 logs / "server.log")}
     try:
-        wait_until_up(processes["mtp"], urls["mtp"], logs / "mtp.log")
-        processes["mtp guard"] = start([sys.executable, "-m", "spectie", "guard", "serve", "--upstream", urls["mtp"],
-                                        "--model", "organism", "--port", str(ports["mtp guard"])], logs / "guard.log")
-        wait_until_up(processes["mtp guard"], urls["mtp guard"], logs / "guard.log", 120)
+        wait_until_up(processes["server"], urls["server"], logs / "server.log")
+        processes["guard"] = start([sys.executable, "-m", "spectie", "guard", "serve", "--upstream", urls["server"],
+                                    "--model", "organism", "--port", str(ports["guard"])], logs / "guard.log")
+        wait_until_up(processes["guard"], urls["guard"], logs / "guard.log", 120)
         yield urls
     finally:
         for process in processes.values():
@@ -49,20 +50,33 @@ def servers(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def near_tie(request):
+def servers(tmp_path_factory):
+    """The MTP server (one speculative token) and `spectie guard serve` in front of it: {"mtp": url, "mtp guard": url}."""
+    with started_servers(tmp_path_factory.mktemp("serve"), SPECULATIVE) as urls:
+        yield {"mtp": urls["server"], "mtp guard": urls["guard"]}
+
+
+@pytest.fixture(scope="module")
+def near_tie(request, servers, tmp_path_factory):
     """This host's near-tie stop from its survey (conftest.survey_near_tie) at the guard's own threshold for the
-    organism: (prompt, the stop, the threshold); the tests that serve it are skipped, saying so, where this host's
-    survey has none."""
+    organism, and servers of the configuration that made it (the MTP ones, or a plain `vllm serve` and a guard in
+    front of it): (prompt, the stop, the threshold, {"server": url, "guard": url}). Skipped, saying so, where this
+    host's survey has none."""
     from spectie.thresholds import detector_threshold_for_model
 
     threshold = detector_threshold_for_model(resolve_model("organism"))[0]
     record = this_hosts_survey(request)
     found = survey_near_tie(record, threshold)
     if found is None:
-        pytest.skip(f"this host's survey ({record.id}) has no MTP stop on end-of-text within {threshold:g} logits "
-                    "where plain greedy writes on: no near-tie to serve here")
-    (tokens, seed), stop = found
-    return organism_prompt(tokens, seed), stop, threshold
+        pytest.skip(f"this host's survey ({record.id}) has no stop on end-of-text within {threshold:g} logits: no "
+                    "near-tie to serve here")
+    configuration, (tokens, seed), stop = found
+    prompt = organism_prompt(tokens, seed)
+    if configuration == "mtp-k1":
+        yield prompt, stop, threshold, {"server": servers["mtp"], "guard": servers["mtp guard"]}
+        return
+    with started_servers(tmp_path_factory.mktemp("serve-plain"), None) as urls:
+        yield prompt, stop, threshold, urls
 
 
 def post(url: str, body: dict) -> dict:
@@ -126,8 +140,8 @@ def test_real_vllm_serve_responses_are_read(servers, tmp_path):
 def test_the_surveys_near_tie_stop_served_is_flagged(servers, near_tie, tmp_path):
     """The near-tie end-of-text stop this host's survey recorded, served by `vllm serve`: the same stop at the same
     margin, flagged by the detector (exit 1)."""
-    prompt, tie, threshold = near_tie
-    response = post(f"{servers['mtp']}/v1/completions", {"model": "organism", "prompt": list(prompt.token_ids),
+    prompt, tie, threshold, urls = near_tie
+    response = post(f"{urls['server']}/v1/completions", {"model": "organism", "prompt": list(prompt.token_ids),
                                                          "max_tokens": 200, "temperature": 0, "logprobs": 2})
     responses = tmp_path / "responses.jsonl"
     responses.write_text(json.dumps(response) + "\n")
@@ -143,13 +157,13 @@ def test_the_guard_resumes_the_surveys_near_tie_stop_and_leaves_other_endings(se
     """Through the guard, the completion that MTP speculation ended at a near-tie goes on from its runner-up,
     and the `guard` field names the tie; the same prompt cut off by max_tokens before the tie, and a stop on the
     caller's stop token, come back as they were."""
-    prompt, tie, threshold = near_tie
+    prompt, tie, threshold, urls = near_tie
     body = {"model": "organism", "prompt": list(prompt.token_ids), "max_tokens": 200, "temperature": 0}
-    direct = post(f"{servers['mtp']}/v1/completions", {**body, "logprobs": 2})
+    direct = post(f"{urls['server']}/v1/completions", {**body, "logprobs": 2})
     [verdict] = [tiestop.check(c, threshold) for c in tiestop.from_openai(direct)]
     runner_up = tie["runner_up"].rsplit("#", 1)[0]
     assert verdict.flagged and verdict.runner_up == runner_up, verdict  # the survey's stop, served
-    guarded, headers = post_with_headers(f"{servers['mtp guard']}/v1/completions", body)
+    guarded, headers = post_with_headers(f"{urls['guard']}/v1/completions", body)
     report = guarded["guard"]
     assert report["checked"] and headers["x-spectie-guard"].startswith("checked; resumed ")
     first = report["resumed"][0]
@@ -162,13 +176,13 @@ def test_the_guard_resumes_the_surveys_near_tie_stop_and_leaves_other_endings(se
     assert choice["logprobs"] is None and choice.get("token_ids") is None  # not asked for, not there
     # Cut off by max_tokens before the tie: nothing to resume, the same response (the guard in this process).
     short = {**body, "max_tokens": first["position"] - 2}
-    direct_short = post(f"{servers['mtp']}/v1/completions", short)
-    through = guard.complete(guard.open_guard(servers["mtp"], "organism"), guard.COMPLETIONS, short)
+    direct_short = post(f"{urls['server']}/v1/completions", short)
+    through = guard.complete(guard.open_guard(urls["server"], "organism"), guard.COMPLETIONS, short)
     assert through["guard"]["checked"] and through["guard"]["resumed"] == []
     assert through["choices"][0]["text"] == direct_short["choices"][0]["text"]
     assert through["choices"][0]["finish_reason"] == "length"
     # The caller's stop token is the caller's choice: never resumed.
-    stopped = post(f"{servers['mtp guard']}/v1/completions", {**body, "stop_token_ids": [198], "logprobs": 1})
+    stopped = post(f"{urls['guard']}/v1/completions", {**body, "stop_token_ids": [198], "logprobs": 1})
     assert stopped["choices"][0]["finish_reason"] == "stop" and stopped["choices"][0]["stop_reason"] == 198
     assert stopped["guard"]["resumed"] == [] and len(stopped["choices"][0]["logprobs"]["tokens"]) == \
         stopped["usage"]["completion_tokens"]
