@@ -3,21 +3,27 @@
 # machine: the figures are wall-clock seconds). Prints a table against the targets:
 #   fresh clone: make setup && make test               target <= 600 s
 #   make build from clean (no executed copies; the committed records, so measurements of this host are reused)
-#                                                      target <= 480 s
+#                                                      target <= 480 s (a host new to the records measures
+#                                                      everything: target <= 600 s)
 #   make test on a tree whose book is built and current target <= 240 s
 #   make build after editing one environment's text    target <= 60 s
 # Usage: scripts/time_pipeline.sh [CLONE_DIR]   (default /tmp/spectie-timings, replaced; logs in CLONE_DIR/_timings)
 #   NEW_HOST=1 scripts/time_pipeline.sh ...   as a machine new to the records: a machine id of its own (a random one
 #   bind-mounted over /etc/machine-id in a mount namespace; needs root), so the builds measure this host from nothing
 set -euo pipefail
+source_tree=$(git rev-parse --show-toplevel)
 if [ "${NEW_HOST:-}" = 1 ] && [ -z "${TIME_PIPELINE_NEW_HOST:-}" ]; then
   id_file=$(mktemp)
   python3 -c 'import uuid; print(uuid.uuid4().hex)' > "$id_file"
   echo "time_pipeline: as a new host (machine id $(cat "$id_file"))" >&2
-  exec unshare --mount --uts env TIME_PIPELINE_NEW_HOST=1 bash -c \
-    'mount --bind "$0" /etc/machine-id && exec bash "$1" "${@:2}"' "$id_file" "$0" "$@"
+  status=0
+  unshare --mount --uts env TIME_PIPELINE_NEW_HOST=1 bash -c \
+    'mount --bind "$0" /etc/machine-id && exec bash "$1" "${@:2}"' "$id_file" "$0" "$@" || status=$?
+  # The figures as a record of this machine (its own host id: outside the namespace), shown by the book's
+  # execution appendix.
+  (cd "$source_tree" && .venv/bin/python -m spectie.timings record "${1:-/tmp/spectie-timings}" --new-host) || status=$?
+  exit $status
 fi
-source_tree=$(git rev-parse --show-toplevel)
 dir=${1:-/tmp/spectie-timings}
 rm -rf "$dir"
 git clone -q "$source_tree" "$dir"
@@ -30,9 +36,20 @@ step() {  # step NAME COMMAND...: runs COMMAND, logs it to _timings/NAME.log, ke
   echo "time_pipeline: $name ..." >&2
   if "$@" > "_timings/$name.log" 2>&1; then status[$name]=ok; else status[$name]="FAILED (see $dir/_timings/$name.log)"; fi
   seconds[$name]=$(( $(date +%s) - start ))
+  # Every step's figures as they come (steps.json), so a run cut short keeps what it measured.
+  printf '{"step": "%s", "started": %s, "seconds": %s, "ok": %s}\n' "$name" "$start" "${seconds[$name]}" \
+    "$([ "${status[$name]}" = ok ] && echo true || echo false)" >> _timings/steps.jsonl
 }
 step fresh bash -c 'make setup && make test'
 step clean-build bash -c 'make clean && make build'
+# What the clean build spent its time on: each chapter's papermill time, and each record it measured (its span).
+.venv/bin/python - <<'PY'
+import json, pathlib
+chapters = [{"chapter": nb.stem, "seconds": round(json.loads(nb.read_text())["metadata"]["papermill"]["duration"], 1)}
+            for nb in sorted(pathlib.Path("book/generated").glob("*.ipynb"))]
+pathlib.Path("_timings/clean-build-chapters.json").write_text(json.dumps(chapters, indent=1))
+PY
+cp -r results/measured _timings/clean-build-measured
 step built-test make test
 # One environment's `pending` text, the kind of edit a reader makes: only the pages that show it are redone.
 env_file=environments/v0.32.0-h200.yaml
@@ -54,7 +71,11 @@ row() {  # row LABEL STEP TARGET
   printf '%-52s %8s %8s  %-11s %s\n' "$1" "${seconds[$2]}" "$3" "$met" "${status[$2]}"
 }
 row "fresh clone: make setup && make test" fresh 600
-row "make build from clean" clean-build 480
+if [ -n "${TIME_PIPELINE_NEW_HOST:-}" ]; then
+  row "make build from clean, a host new to the records" clean-build 600
+else
+  row "make build from clean" clean-build 480
+fi
 row "make test, book built and current" built-test 240
 row "make build after editing one environment's pending" env-edit-build 60
 grep -h "^\[executing\]" _timings/env-edit-build.log | sed 's/^/  env-edit build: /' || true

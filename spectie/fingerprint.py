@@ -98,7 +98,7 @@ def host_id() -> str:
     Machine images bake one machine id into many machines (an AMD EPYC and an Intel Xeon host both read the same
     /etc/machine-id): the CPU model, its ISA flags and the GPUs' models and UUIDs tell them apart. Records made
     before hardware counted (no `cpu_flags` in their fingerprint) name the machine id alone."""
-    return host_id_of(_machine_seed(), hardware())
+    return host_id_of(_machine_seed(), _this_hardware())
 
 
 LAST_GPU_PROBE_FAILURE: list[str] = []  # why nvidia-smi failed on a host without /dev/nvidia* (said by host.check)

@@ -67,12 +67,13 @@ def wait_until_up(process: subprocess.Popen, url: str, log: Path, seconds: float
 
 
 @contextmanager
-def served(command: list[str], url: str, log: Path, seconds: float = 300):
+def served(command: list[str], url: str, log: Path, seconds: float = 300, environment: dict | None = None):
     """A server process from `command`, up at `url` while the block runs, stopped after it. The model runs in
-    the engine core's process (VLLM_ENABLE_V1_MULTIPROCESSING=0), as in the chapters' engines."""
+    the engine core's process (VLLM_ENABLE_V1_MULTIPROCESSING=0), as in the chapters' engines; `environment` adds
+    variables (a CPU server's cores: `matrix_run.slot_environment`)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
-                               env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+                               env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(environment or {})})
     try:
         wait_until_up(process, url, log, seconds)
         yield process
@@ -107,21 +108,61 @@ def _outcome(checked, response: dict, seconds: float) -> dict:
             "resumed": len(report.get("resumed", [])), "extra_requests": report.get("extra_requests", 0)}
 
 
-def measure_prompts(checked, prompts: list[list[int]], max_tokens: int, progress: bool = True) -> list[dict]:
-    """Each prompt straight to the server and through the guard (greedy, top-2 logprobs in both)."""
-    from tqdm import tqdm
-
+def measure_prompts(checked, prompts: list[list[int]], max_tokens: int, bar=None) -> list[dict]:
+    """Each prompt straight to the server and through the guard (greedy, top-2 logprobs in both), one request at a
+    time; `bar` (tqdm) counts the prompts done."""
     from spectie.guard import COMPLETIONS, complete, send
 
     rows = []
-    for ids in tqdm(prompts, desc="guard survey", unit="prompt", disable=not progress, file=sys.stderr):
+    for ids in prompts:
         body = {"model": checked.served_model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
                 "logprobs": 2}
         direct, direct_seconds = _timed(send, checked, COMPLETIONS, body)
         guarded, guarded_seconds = _timed(complete, checked, COMPLETIONS, body)
         rows.append({"direct": _outcome(checked, direct, direct_seconds),
                      "guarded": _outcome(checked, guarded, guarded_seconds)})
+        if bar is not None:
+            bar.update(1)
     return rows
+
+
+def measure_on_servers(python, model: str, prompts: list[list[int]], max_tokens: int, servers: int, platform: str,
+                       progress: bool = True) -> tuple[list[dict], float, str, int]:
+    """The prompts shared out over `servers` identical `vllm serve` processes (prompt i to server i % servers), each
+    on cores of its own (`matrix_run.slot_environment`) and serving one request at a time, so every request runs
+    alone in its engine, as with one server, in a fraction of the time. Each prompt's two requests (straight and
+    guarded) go to the same server. Returns the rows in prompt order, the guard's threshold, where it came from and
+    its resume limit."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tqdm import tqdm
+
+    from spectie import guard
+    from spectie.engines.matrix_run import slot_environment
+    from spectie.paths import project_root
+
+    logs = project_root() / "_build" / "logs" / CHAPTER
+    bar = tqdm(total=len(prompts), desc="guard survey", unit="prompt", disable=not progress, file=sys.stderr)
+
+    def serve(slot: int):
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        log = logs / (f"guard-survey-serve-{slot}.log" if servers > 1 else "guard-survey-serve.log")
+        with served(serve_command(python, model, port, SPECULATIVE), url, log,
+                    environment=slot_environment(slot, servers, platform)):
+            checked = guard.open_guard(url, model)
+            return checked, measure_prompts(checked, prompts[slot::servers], max_tokens, bar)
+
+    try:
+        with ThreadPoolExecutor(max_workers=servers) as pool:
+            done = list(pool.map(serve, range(servers)))
+    finally:
+        bar.close()
+    rows = [None] * len(prompts)
+    for slot, (_, part) in enumerate(done):
+        rows[slot::servers] = part
+    checked = done[0][0]
+    return rows, checked.threshold, checked.threshold_origin, checked.max_resumes
 
 
 def record_path(environment: str, results_dir=None):
@@ -137,11 +178,10 @@ def measure(model: str, environment: str, count: int = 24, max_tokens: int = 200
             model_label: str | None = None, progress: bool = True, results_dir=None, log=print) -> Record:
     """The survey's first `count` prompts through `vllm serve` (MTP, one speculative token) without and with the
     guard; this host's record, reused where the same measurement is recorded, else made, written and returned."""
-    from spectie import guard
     from spectie.engines.checks import engine_python, probe_vllm
+    from spectie.engines.matrix import default_matrix_name, read_matrix
     from spectie.engines.runner import engine_fingerprint
     from spectie.fingerprint import host_id, measurement_key, now
-    from spectie.paths import project_root
     from spectie.prompts import build_prompt
     from spectie.records import measured_record, read_record, recorded_measurement, write_record
     from spectie.survey import LENGTHS, prompt_specs
@@ -160,25 +200,24 @@ def measure(model: str, environment: str, count: int = 24, max_tokens: int = 200
     probe = probe_vllm(environment, python)
     tokenizer = model_tokenizer(model)
     prompts = [list(build_prompt(spec, tokenizer).token_ids) for spec in specs]
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
+    servers = min(count, read_matrix(default_matrix_name(environment)).parallel)
     started_at = now()
-    log(f"guard survey: vllm serve (MTP, one speculative token) on {url}, {count} prompts without and with the guard")
-    with served(serve_command(python, model, port, SPECULATIVE), url,
-                project_root() / "_build" / "logs" / CHAPTER / "guard-survey-serve.log"):
-        checked = guard.open_guard(url, model)
-        rows = measure_prompts(checked, prompts, max_tokens, progress)
+    log(f"guard survey: {servers} vllm serve process{'es' if servers > 1 else ''} (MTP, one speculative token), "
+        f"{count} prompts without and with the guard")
+    rows, threshold, origin, max_resumes = measure_on_servers(python, model, prompts, max_tokens, servers,
+                                                             probe["platform"], progress)
     for spec, ids, row in zip(specs, prompts, rows):
         row.update(tokens=spec.tokens, seed=spec.seed, template=spec.template, prompt_tokens=len(ids))
     parameters = {"model": model_label or model, "prompts": count, "prompt_lengths": list(LENGTHS),
                   "max_tokens": max_tokens, "speculative_config": SPECULATIVE, "measurement_key": key,
-                  "server": "vllm serve (OpenAI-compatible /v1/completions), greedy, one request at a time"}
+                  "server": "vllm serve (OpenAI-compatible /v1/completions), greedy, one request at a time",
+                  "servers": servers}
     record = measured_record(
         record_id=f"{KIND}-{environment}-{host_id()}".lower(), kind=KIND, chapter=CHAPTER,
         title=f"The guard on {count} ordinary prompts through vllm serve {probe['vllm_version']} ({probe['platform']})",
         environment=environment, parameters=parameters,
-        results={"vllm_version": probe["vllm_version"], "backend": probe["platform"], "threshold": checked.threshold,
-                 "threshold_origin": checked.threshold_origin, "max_resumes": checked.max_resumes, "prompts": rows},
+        results={"vllm_version": probe["vllm_version"], "backend": probe["platform"], "threshold": threshold,
+                 "threshold_origin": origin, "max_resumes": max_resumes, "prompts": rows},
         started_at=started_at, content_hash=content_hash, dtype="bfloat16")
     engine_fingerprint(record, probe)
     return read_record(write_record(record, record_path(environment, results_dir)))

@@ -309,6 +309,7 @@ class SurveyParameters(Fields):
     new_tokens: int | None
     max_tokens: int | None
     server: str | None
+    servers: int | None  # guard survey: identical servers the prompts were shared out over (one per CPU core)
     speculative_config: dict | None
     measurement_key: str | None
 
