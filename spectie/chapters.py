@@ -68,8 +68,9 @@ CHAPTERS = {
                 environments="all"),
         Chapter("execution", "notebooks/execution.ipynb",
                 tuple(f"{EXECUTED_DIR}/{name}.ipynb" for name in ("incident", "margins", "reproduce", "reduction_order",
-                                                                  "guidance", "environments", "summary")),
-                "Appendix: when, where and how long each chapter of this build ran"),
+                                                                  "guidance", "environments", "summary"))
+                + ("results/measured/*/execution/*.json",),
+                "Appendix: when, where and how long each chapter of this build ran, and how long builds take"),
     )
 }
 

@@ -85,6 +85,12 @@ def _machine_seed() -> str:
     return seed or socket.gethostname()
 
 
+def machine_id_hash() -> str:
+    """The host id as it was before hardware counted (sha256 of the machine id alone, first 12 hex digits): the id
+    of the records this machine made then, if it made any (`records.superseded`)."""
+    return hashlib.sha256(_machine_seed().encode()).hexdigest()[:12]
+
+
 def host_id_of(seed: str, hardware: dict) -> str:
     """The host id of a machine id and its hardware (`hardware()`): first 12 hex digits of a sha256."""
     import json
@@ -283,6 +289,7 @@ def environment_fingerprint(dtype: str | None = None, model: str | None = None) 
         "model_sha256": model_digest(model),
         "model_revision": model_revision(model),
         "host_id": host_id(),
+        "machine_id_hash": machine_id_hash(),
         "os": platform.platform(),
         "cpu": _cpu_model(),
         "cpu_flags": cpu_flags(),

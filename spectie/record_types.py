@@ -49,6 +49,7 @@ def _optional(cls):
 class Fingerprint(Fields):
     """Where a measured record was made (fingerprint.environment_fingerprint)."""
     host_id: str
+    machine_id_hash: str | None  # the host id of the machine id alone: what this machine's records were named before
     os: str
     cpu: str
     cpu_flags: list[str] | None
@@ -357,6 +358,22 @@ class ProbeResults(Fields):
     servers: dict  # server name -> {speculative_config, requests, process_running_after, log_error}
 
 
+@_optional
+class TimingParameters(Fields):
+    """A run of scripts/time_pipeline.sh (spectie.timings)."""
+    command: str
+    new_host: bool  # with a machine id new to the records: its builds measured this machine from nothing
+    source_commit: str | None  # the commit the clone was made at
+
+
+@_optional
+class TimingResults(Fields):
+    cores: int
+    steps: list[dict]  # {step, what, seconds, ok, target_seconds}
+    clean_build_chapters: list[dict]  # {chapter, seconds}: papermill's time per chapter
+    clean_build_measurements: list[dict]  # {record, kind, chapter, seconds}: the records it measured, longest first
+
+
 KINDS: dict[str, tuple[type[Fields], type[Fields]]] = {
     "incident-configuration": (IncidentParameters, IncidentClaims),
     "related-report": (NoParameters, RelatedReport),
@@ -373,6 +390,7 @@ KINDS: dict[str, tuple[type[Fields], type[Fields]]] = {
     "guard-survey": (SurveyParameters, SurveyResults),
     "divergence-verdicts": (VerdictParameters, VerdictRows),
     "server-probe": (ProbeParameters, ProbeResults),
+    "pipeline-timings": (TimingParameters, TimingResults),
 }
 
 

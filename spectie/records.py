@@ -210,7 +210,22 @@ def load_records(results_dir: str | os.PathLike | None = None, **match) -> list[
     records, problems = check_records(results_dir, **narrow)
     if problems:
         raise problems[0]
-    return [r for r in records if all(getattr(r, key) == value for key, value in match.items())]
+    gone = superseded(records)
+    return [r for r in records if r.id not in gone and all(getattr(r, key) == value for key, value in match.items())]
+
+
+def superseded(records: list[Record]) -> set[str]:
+    """Ids of records a machine made before the host id counted its hardware (no `cpu_flags`), where that machine
+    has since measured under its new id: a newer record (among `records`: of one chapter, where the caller read one)
+    with the same CPU model whose `machine_id_hash` is the old record's host id. One machine is one host in the book: its new records replace the old. (Machine images bake one
+    machine id into many machines: a machine id matched by records of another CPU model is another machine.)"""
+    def cpu(record: Record):
+        return record.fingerprint and record.fingerprint.cpu
+
+    since = {(r.fingerprint.machine_id_hash, cpu(r)) for r in records
+             if r.fingerprint and r.fingerprint.cpu_flags is not None and r.fingerprint.machine_id_hash}
+    return {r.id for r in records if r.provenance == "measured" and r.fingerprint
+            and r.fingerprint.cpu_flags is None and (r.fingerprint.host_id, cpu(r)) in since}
 
 
 def model_name(record: Record) -> str:

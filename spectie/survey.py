@@ -10,9 +10,11 @@ by speculation: the stops the detector is for.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import queue
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 
 from spectie.errors import UsageError
 from spectie.fingerprint import measurement_key
@@ -305,6 +307,27 @@ def eos_logprobs(model, tokenizer, prompt_ids: list[int], new_tokens: int, eos_i
             for i in range(len(ids) - start)]
 
 
+_INJECTION: dict = {}  # an injection worker's model and tokenizer, loaded once per process
+
+
+def _load_for_injection(model: str, dtype: str) -> None:
+    import torch
+
+    from spectie.model import load_model
+    from spectie.tokenizer import model_tokenizer
+
+    torch.set_num_threads(1)
+    _INJECTION.update(model=load_model(model, dtype), tokenizer=model_tokenizer(model))
+
+
+def _inject_one(spec: PromptSpec, new_tokens: int, eos_ids: list[int]) -> list[dict]:
+    from spectie.prompts import build_prompt
+
+    tokenizer = _INJECTION["tokenizer"]
+    ids = list(build_prompt(spec, tokenizer).token_ids)
+    return eos_logprobs(_INJECTION["model"], tokenizer, ids, new_tokens, eos_ids)
+
+
 def check_new_tokens(new_tokens) -> int:
     if not isinstance(new_tokens, int) or isinstance(new_tokens, bool) or new_tokens < 1:
         raise UsageError(f"the injected truncations need a whole number of new tokens >= 1, got {new_tokens!r}")
@@ -334,8 +357,7 @@ def inject(model: str, environment: str, count: int = 24, new_tokens: int = 200,
 
     from spectie.chapters import current_hash
     from spectie.fingerprint import host_id, now
-    from spectie.model import end_of_text_ids, load_model, torch_dtype
-    from spectie.prompts import build_prompt
+    from spectie.model import end_of_text_ids, torch_dtype
     from spectie.records import measured_path, measured_record, read_record, write_record
     from spectie.tokenizer import model_tokenizer
 
@@ -349,14 +371,21 @@ def inject(model: str, environment: str, count: int = 24, new_tokens: int = 200,
     if earlier is not None:
         return earlier
     started_at = now()
-    tokenizer = model_tokenizer(model)
-    eos_ids = end_of_text_ids(model, tokenizer)
-    loaded = load_model(model, dtype)
-    rows = []
-    for spec in tqdm(specs, desc="injected truncations", unit="prompt", disable=not progress, file=sys.stderr):
-        ids = list(build_prompt(spec, tokenizer).token_ids)
-        rows.append({"tokens": spec.tokens, "seed": spec.seed, "template": spec.template,
-                     "positions": eos_logprobs(loaded, tokenizer, ids, new_tokens, eos_ids)})
+    eos_ids = end_of_text_ids(model, model_tokenizer(model))
+    rows = [None] * len(specs)
+    workers = max(1, min(len(specs), os.cpu_count() or 1))
+    bar = tqdm(total=len(specs), desc="injected truncations", unit="prompt", disable=not progress, file=sys.stderr)
+    # One process per core, each on one thread with the model loaded once, a prompt at a time: on a small model
+    # two single-threaded processes finish the prompts sooner than one process on two threads.
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_load_for_injection,
+                             initargs=(model, dtype)) as pool:
+        jobs = {pool.submit(_inject_one, spec, new_tokens, eos_ids): number for number, spec in enumerate(specs)}
+        for job in as_completed(jobs):
+            spec = specs[jobs[job]]
+            rows[jobs[job]] = {"tokens": spec.tokens, "seed": spec.seed, "template": spec.template,
+                               "positions": job.result()}
+            bar.update(1)
+    bar.close()
     parameters = {"model": model_label or model, "prompts": count, "prompt_lengths": list(LENGTHS),
                   "new_tokens": new_tokens, "dtype": dtype, "eos_ids": eos_ids, "measurement_key": key}
     record = measured_record(

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from conftest import typed
 from spectie.record_types import KINDS, EngineConfiguration, EngineOutcome, Fingerprint, Record
 from spectie.records import (SCHEMA_PATH, RecordError, check_records, load_records, measured_path, read_record,
                              record_paths, validate_record, write_record)
@@ -338,3 +339,22 @@ def test_the_host_id_and_the_measurement_key_name_the_hardware():
     assert len(keys) == 4
     assert key(h100) == key(other_h100)  # the same GPU model computes alike: only the host differs
     assert len(host_id()) == 12
+
+
+def test_a_machines_records_from_before_the_hardware_counted_give_way_to_its_new_ones(measured_record):
+    """The AMD EPYC that measured under the machine id alone measures again under its new id: its old records leave
+    the book (one machine, one host). The Intel Xeon of the same image (same machine id, another CPU) does not
+    replace them."""
+    from spectie.records import superseded
+
+    def made(record_id, host, cpu, flags, machine=None):
+        fingerprint = {**measured_record["fingerprint"], "host_id": host, "cpu": cpu, "cpu_flags": flags,
+                       "machine_id_hash": machine}
+        return typed({**measured_record, "id": record_id, "fingerprint": fingerprint})
+
+    old_amd = made("old-amd", "0035969ec53f", "AMD EPYC 9R14", None, None)
+    intel = made("intel", "becbb6e9520d", "Intel(R) Xeon(R) Processor", ["avx512f"], "0035969ec53f")
+    assert superseded([old_amd, intel]) == set()
+    new_amd = made("new-amd", "a1b2c3d4e5f6", "AMD EPYC 9R14", ["avx2"], "0035969ec53f")
+    assert superseded([old_amd, intel, new_amd]) == {"old-amd"}
+    assert superseded([old_amd, made("elsewhere", "a1b2c3d4e5f6", "AMD EPYC 9R14", ["avx2"], "ffffffffffff")]) == set()

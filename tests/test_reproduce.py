@@ -746,16 +746,17 @@ def test_make_run_on_a_random_weight_checkpoint_loads_it_with_its_mtp_head(tmp_p
     run = subprocess.run(["make", "run", "CHAPTER=reproduce", f"PARAMS={params}", "ENV=cpu", f"MODEL={folder}",
                           f"VENV={Path(sys.prefix)}"], cwd=root, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    [path] = (root / "results" / "measured").glob("cpu-*/reproduce/*tiny-shape*.json")
-    record = read_record(path)
-    assert record.parameters.configuration == "mtp-k3"
-    assert record.results.status == "ok" and record.results.runs_stopped == 0
-    assert [x["output_tokens"] for x in record.results.repeats] == [16]
-    assert record.results.repeats[0]["speculation"]["num_draft_tokens"] > 0  # the MTP head drafted
-    assert record.parameters.model == qwen_shapes.model_label("ignored", str(folder))
-    assert record.parameters.ignore_eos is True
-    assert "tiny-shape-checkpoint-random-weight-shape-seed-3" in record.id
-    assert record.fingerprint.model_sha256 == model_digest(str(folder))
+    made = {read_record(p).parameters.configuration: read_record(p)
+            for p in (root / "results" / "measured").glob("cpu-*/reproduce/*tiny-shape*.json")}
+    assert sorted(made) == ["mtp-k3", "plain"]  # the baseline runs with any selection
+    for record in made.values():
+        assert record.results.status == "ok" and record.results.runs_stopped == 0
+        assert [x["output_tokens"] for x in record.results.repeats] == [16]
+        assert record.parameters.model == qwen_shapes.model_label("ignored", str(folder))
+        assert record.parameters.ignore_eos is True
+        assert "tiny-shape-checkpoint-random-weight-shape-seed-3" in record.id
+        assert record.fingerprint.model_sha256 == model_digest(str(folder))
+    assert made["mtp-k3"].results.repeats[0]["speculation"]["num_draft_tokens"] > 0  # the MTP head drafted
 
 
 def test_the_repeat_grid_says_the_classifiers_verdict_beside_a_configuration_that_parts():
