@@ -215,17 +215,19 @@ def load_records(results_dir: str | os.PathLike | None = None, **match) -> list[
 
 
 def superseded(records: list[Record]) -> set[str]:
-    """Ids of records a machine made before the host id counted its hardware (no `cpu_flags`), where that machine
-    has since measured under its new id: a newer record (among `records`: of one chapter, where the caller read one)
-    with the same CPU model whose `machine_id_hash` is the old record's host id. One machine is one host in the book: its new records replace the old. (Machine images bake one
-    machine id into many machines: a machine id matched by records of another CPU model is another machine.)"""
-    def cpu(record: Record):
-        return record.fingerprint and record.fingerprint.cpu
+    """Ids of records a machine made before the host id counted its hardware (no `cpu_flags`) that it has made again
+    under its new id: a newer record of the same measurement (the same id, its host id part aside) whose
+    `machine_id_hash` is the old record's host id, on the same CPU and GPU models. One machine is one host in the
+    book: the new record replaces the old. (Machine images bake one machine id into many machines: a record of
+    another CPU or GPU model under the same machine id is another machine's, and replaces nothing.)"""
+    def slot(record: Record, host: str) -> tuple:
+        fingerprint = record.fingerprint
+        return host, fingerprint.cpu, fingerprint.gpu, record.id.replace(fingerprint.host_id, "{host}")
 
-    since = {(r.fingerprint.machine_id_hash, cpu(r)) for r in records
+    since = {slot(r, r.fingerprint.machine_id_hash) for r in records
              if r.fingerprint and r.fingerprint.cpu_flags is not None and r.fingerprint.machine_id_hash}
     return {r.id for r in records if r.provenance == "measured" and r.fingerprint
-            and r.fingerprint.cpu_flags is None and (r.fingerprint.host_id, cpu(r)) in since}
+            and r.fingerprint.cpu_flags is None and slot(r, r.fingerprint.host_id) in since}
 
 
 def model_name(record: Record) -> str:

@@ -428,14 +428,17 @@ def page_values(records: list[Record], environments: dict[str, dict], ledger: Re
     what was not measured, the GPU findings, the ngram advice, and how many records say it."""
     from IPython.display import Markdown
 
-    first_report = next(r for r in records if r.id == "original-mtp-wide-verify").results
+    first = next(r for r in records if r.id == "original-mtp-wide-verify")
+    first_report = first.results
     answer = verdict(records, environments)
     return {
         "reported_tokens": first_report.output_tokens_before_stop, "reported_tail": first_report.tail_text,
+        "reported_path": {"mtp": "MTP"}.get(first.parameters.method, first.parameters.method),
         "answer": answer.answer, "strength": answer.strength, "why_strength": answer.why_strength,
         "tie_note": answer.tie_note, "because": Markdown(bullets(answer.because)),
         "caveats": Markdown(bullets(answer.caveats or ["none in these records"])),
         "not_measured": Markdown(bullets(answer.not_measured)),
         "gpu_findings": Markdown(gpu_findings_markdown(records, ledger) or "- No vLLM run on a GPU is recorded."),
         "ngram_advice": "; ".join(filter(None, [ngram_advice(records), incident_ngram_text(records, ledger)])),
-        "record_count": len(records), "measured_count": sum(r.measured for r in records)}
+        "record_count": len(records), "measured_count": sum(r.measured for r in records),
+        "commit_count": sum(bool(r.measured and r.fingerprint and r.fingerprint.source_commit) for r in records)}

@@ -328,6 +328,28 @@ def _inject_one(spec: PromptSpec, new_tokens: int, eos_ids: list[int]) -> list[d
     return eos_logprobs(_INJECTION["model"], tokenizer, ids, new_tokens, eos_ids)
 
 
+def _injected_rows(model: str, dtype: str, specs: list[PromptSpec], new_tokens: int, eos_ids: list[int],
+                   progress: bool) -> list[dict]:
+    """`eos_logprobs` of every prompt of `specs`, in their order. One process per core, each on one thread with the
+    model loaded once, a prompt at a time: on a small model two single-threaded processes finish the prompts sooner
+    than one process on two threads (and compute the same numbers: measured on the organism)."""
+    from tqdm import tqdm
+
+    rows: list = [None] * len(specs)
+    workers = max(1, min(len(specs), os.cpu_count() or 1))
+    bar = tqdm(total=len(specs), desc="injected truncations", unit="prompt", disable=not progress, file=sys.stderr)
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_load_for_injection,
+                             initargs=(model, dtype)) as pool:
+        jobs = {pool.submit(_inject_one, spec, new_tokens, eos_ids): number for number, spec in enumerate(specs)}
+        for job in as_completed(jobs):
+            spec = specs[jobs[job]]
+            rows[jobs[job]] = {"tokens": spec.tokens, "seed": spec.seed, "template": spec.template,
+                               "positions": job.result()}
+            bar.update(1)
+    bar.close()
+    return rows
+
+
 def check_new_tokens(new_tokens) -> int:
     if not isinstance(new_tokens, int) or isinstance(new_tokens, bool) or new_tokens < 1:
         raise UsageError(f"the injected truncations need a whole number of new tokens >= 1, got {new_tokens!r}")
@@ -353,8 +375,6 @@ def inject(model: str, environment: str, count: int = 24, new_tokens: int = 200,
     position is *confident* (the model wants another token). A planted end-of-text is what a bug that forces a
     stop writes (the premature end-of-text class of vLLM #41467), with the model's own logprobs; a numerical
     flip at a near-tie reports about the same margin with the sign turned."""
-    from tqdm import tqdm
-
     from spectie.chapters import current_hash
     from spectie.fingerprint import host_id, now
     from spectie.model import end_of_text_ids, torch_dtype
@@ -372,20 +392,7 @@ def inject(model: str, environment: str, count: int = 24, new_tokens: int = 200,
         return earlier
     started_at = now()
     eos_ids = end_of_text_ids(model, model_tokenizer(model))
-    rows = [None] * len(specs)
-    workers = max(1, min(len(specs), os.cpu_count() or 1))
-    bar = tqdm(total=len(specs), desc="injected truncations", unit="prompt", disable=not progress, file=sys.stderr)
-    # One process per core, each on one thread with the model loaded once, a prompt at a time: on a small model
-    # two single-threaded processes finish the prompts sooner than one process on two threads.
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_load_for_injection,
-                             initargs=(model, dtype)) as pool:
-        jobs = {pool.submit(_inject_one, spec, new_tokens, eos_ids): number for number, spec in enumerate(specs)}
-        for job in as_completed(jobs):
-            spec = specs[jobs[job]]
-            rows[jobs[job]] = {"tokens": spec.tokens, "seed": spec.seed, "template": spec.template,
-                               "positions": job.result()}
-            bar.update(1)
-    bar.close()
+    rows = _injected_rows(model, dtype, specs, new_tokens, eos_ids, progress)
     parameters = {"model": model_label or model, "prompts": count, "prompt_lengths": list(LENGTHS),
                   "new_tokens": new_tokens, "dtype": dtype, "eos_ids": eos_ids, "measurement_key": key}
     record = measured_record(

@@ -132,7 +132,7 @@ def first_build_sentence(records: list[Record]) -> str:
         chapters = sorted(record.results.clean_build_chapters, key=lambda c: -c["seconds"])
         rest = build["seconds"] - sum(c["seconds"] for c in chapters)
         parts = ", ".join(f"{c['chapter']} {c['seconds']:.0f} s" for c in chapters if c["seconds"] >= 1)
-        longest = ", ".join(f"{m['kind']} `{m['record']}` {m['seconds']:.0f} s"
+        longest = ", ".join(f"{m['kind']} ({m['record']}) {m['seconds']:.0f} s"
                             for m in record.results.clean_build_measurements[:4])
         sentences.append(
             f"On {host_label(record)}, as a machine new to the records (a machine id of its own), at commit "

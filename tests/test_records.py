@@ -342,19 +342,27 @@ def test_the_host_id_and_the_measurement_key_name_the_hardware():
 
 
 def test_a_machines_records_from_before_the_hardware_counted_give_way_to_its_new_ones(measured_record):
-    """The AMD EPYC that measured under the machine id alone measures again under its new id: its old records leave
-    the book (one machine, one host). The Intel Xeon of the same image (same machine id, another CPU) does not
-    replace them."""
+    """The AMD EPYC that measured under the machine id alone measures again under its new id: each old record it
+    made again leaves the book (one machine, one host). The Intel Xeon of the same image (same machine id, another
+    CPU), another GPU model, or another measurement, replaces nothing."""
     from spectie.records import superseded
 
-    def made(record_id, host, cpu, flags, machine=None):
+    def made(record_id, host, cpu, flags, machine=None, gpu=None):
         fingerprint = {**measured_record["fingerprint"], "host_id": host, "cpu": cpu, "cpu_flags": flags,
-                       "machine_id_hash": machine}
+                       "machine_id_hash": machine, "gpu": gpu}
         return typed({**measured_record, "id": record_id, "fingerprint": fingerprint})
 
-    old_amd = made("old-amd", "0035969ec53f", "AMD EPYC 9R14", None, None)
-    intel = made("intel", "becbb6e9520d", "Intel(R) Xeon(R) Processor", ["avx512f"], "0035969ec53f")
-    assert superseded([old_amd, intel]) == set()
-    new_amd = made("new-amd", "a1b2c3d4e5f6", "AMD EPYC 9R14", ["avx2"], "0035969ec53f")
-    assert superseded([old_amd, intel, new_amd]) == {"old-amd"}
-    assert superseded([old_amd, made("elsewhere", "a1b2c3d4e5f6", "AMD EPYC 9R14", ["avx2"], "ffffffffffff")]) == set()
+    old_amd = made("margins-cpu-scan-0035969ec53f", "0035969ec53f", "AMD EPYC 9R14", None)
+    old_gpu = made("reproduce-v0-31-0-h100-plain-s0-0035969ec53f", "0035969ec53f", "AMD EPYC 9R14", None,
+                   gpu="NVIDIA H100 80GB HBM3")
+    intel = made("margins-cpu-scan-becbb6e9520d", "becbb6e9520d", "Intel(R) Xeon(R) Processor", ["avx512f"],
+                 "0035969ec53f")
+    assert superseded([old_amd, old_gpu, intel]) == set()
+    new_amd = made("margins-cpu-scan-a1b2c3d4e5f6", "a1b2c3d4e5f6", "AMD EPYC 9R14", ["avx2"], "0035969ec53f")
+    assert superseded([old_amd, old_gpu, intel, new_amd]) == {"margins-cpu-scan-0035969ec53f"}
+    h200 = made("reproduce-v0-31-0-h100-plain-s0-a1b2c3d4e5f6", "a1b2c3d4e5f6", "AMD EPYC 9R14", ["avx2"],
+                "0035969ec53f", gpu="NVIDIA H200")
+    assert superseded([old_gpu, h200]) == set()
+    other_measurement = made("margins-cpu-flips-a1b2c3d4e5f6", "a1b2c3d4e5f6", "AMD EPYC 9R14", ["avx2"],
+                             "0035969ec53f")
+    assert superseded([old_amd, other_measurement]) == set()

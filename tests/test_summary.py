@@ -4,7 +4,7 @@ import copy
 
 import pytest
 
-from spectie import pages, summary
+from spectie import findings, pages, summary
 from spectie.divergence import Verdict
 from spectie.divergence_verdicts import VERDICTS_KIND
 from spectie.environments import load_environments
@@ -214,3 +214,57 @@ def test_the_incidents_ngram_gpu_release_is_read_against_its_measured_run(report
     verdicts["results"]["rows"] = verdicts["results"]["rows"][1:]
     assert "parted from plain greedy only at near-ties (1 of 1)" in summary.incident_ngram_text(typed_all(reported + [verdicts]),
                                                                                                 ledger_record())
+
+
+def test_the_findings_table_has_a_row_per_release_and_path_with_ngram_gpus_silent_stops():
+    """The committed GPU records: on 0.26.0 (H200) and 0.31.0 (H100) ngram_gpu K=6 and K=7 stop silently on prompt
+    seed 5, after writing tokens the classifier calls a suspected bug; on 0.32.0 ngram_gpu writes plain greedy's
+    tokens and MTP K=1 stops at the tie on seed 1. Changed records change the cells."""
+    records = load_records()
+    rows = {(r["vLLM"], r["path"]): r for r in findings.findings_rows(records)}
+    assert {path for _, path in rows} == {"plain greedy", "MTP", "ngram_gpu"}
+    for version in ("0.26.0", "0.31.0"):
+        ngram = rows[(version, "ngram_gpu")]
+        stops = ngram["stopped earlier than plain greedy"]
+        assert "ngram_gpu-k6, seed 5: 10 of 10 repeats, after 92 tokens, stop ahead by 0.125" in stops
+        assert "ngram_gpu-k7, seed 5: 10 of 10 repeats" in stops and "ngram_gpu-k8" not in stops
+        assert ("ngram_gpu-k6, seed 5: yes, parted from plain greedy at output token 21, a suspected bug by the "
+                "classifier") in ngram["wrong tokens before that stop"]
+        assert "suspected bugs" in ngram["classifier"]
+    assert rows[("0.32.0", "ngram_gpu")]["parted from plain greedy"] == "0 of 320"
+    assert rows[("0.32.0", "ngram_gpu")]["stopped earlier than plain greedy"] == "never"
+    assert "mtp-v1-k1, seed 1: 10 of 10 repeats, after 11 tokens, stop ahead by 0.125" in \
+        rows[("0.32.0", "MTP")]["stopped earlier than plain greedy"]
+    assert "mtp-v1-k1, seed 1: no, plain greedy's tokens up to the stop" in rows[("0.32.0", "MTP")]["wrong tokens before that stop"]
+    # A 0.32.0 MTP run that goes on leaves the cell; no stop, no "wrong tokens" claim.
+    changed = [r.stored for r in records if r.kind == "engine-outcome" and r.chapter == "reproduce"]
+    changed = copy.deepcopy(changed)
+    for r in changed:
+        if r["environments"][0] == "v0.32.0-h100" and r["parameters"]["method"] == "mtp":
+            r["results"]["repeats"] = [dict(x, finish_reason="length", output_tokens=96) for x in r["results"]["repeats"]]
+    turned = {(r["vLLM"], r["path"]): r for r in findings.findings_rows(typed_all(changed))}
+    assert turned[("0.32.0", "MTP")]["stopped earlier than plain greedy"] == "never"
+    assert turned[("0.32.0", "MTP")]["wrong tokens before that stop"] == ""
+    assert turned[("0.26.0", "ngram_gpu")]["classifier"] == "not classified yet"  # no verdict records given
+
+
+def test_each_speculative_path_gets_its_own_verdict_and_it_turns_with_the_records():
+    records = load_records()
+    mtp, ngram = findings.path_verdicts(records)
+    assert mtp.startswith("**MTP**: a near-tie that speculation took the other way: on vLLM 0.26.0 (NVIDIA H200), "
+                          "0.31.0 (NVIDIA H100 80GB HBM3) and 0.32.0 (NVIDIA H100 80GB HBM3), mtp-v1-k1 and mtp-v2-k1 "
+                          "on prompt seed 1 (10 of 10 repeats each")
+    assert ("**ngram_gpu**: a correctness bug, not a tie, on vLLM 0.26.0 (NVIDIA H200) and 0.31.0 (NVIDIA H100 80GB "
+            "HBM3) each") in ngram
+    assert "ngram_gpu-k6 and ngram_gpu-k7 on prompt seed 5 (10 of 10 repeats each" in ngram
+    assert "on vLLM 0.32.0 (NVIDIA H100 80GB HBM3) it wrote plain greedy's tokens in every generation" in ngram
+    # No MTP stop and no verdict records: MTP's verdict no longer says near-tie, ngram_gpu's no longer says bug.
+    changed = copy.deepcopy([r.stored for r in records if r.kind == "engine-outcome" and r.chapter == "reproduce"])
+    for r in changed:
+        if r["parameters"]["method"] == "mtp":
+            r["results"]["repeats"] = [dict(x, finish_reason="length", output_tokens=96) for x in r["results"]["repeats"]]
+    mtp, ngram = findings.path_verdicts(typed_all(changed))
+    assert "near-tie" not in mtp and "never stopped earlier than plain greedy" in mtp
+    assert "correctness bug" not in ngram
+    assert ("on vLLM 0.26.0 (NVIDIA H200) and 0.31.0 (NVIDIA H100 80GB HBM3), ngram_gpu-k6 and ngram_gpu-k7 on prompt "
+            "seed 5") in ngram and "tie or bug is not settled" in ngram

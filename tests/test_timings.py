@@ -48,7 +48,7 @@ def test_a_pipeline_run_becomes_a_record_and_the_appendix_says_what_its_first_bu
     text = timings.first_build_sentence([made])
     assert "took 500 s, within its target of 600 s" in text
     assert "guidance 300 s, reproduce 120 s" in text and "the HTML) 79 s" in text  # 500 - (300.4 + 120 + 0.4)
-    assert "guard-survey `guard-survey-cpu-x` 104 s" in text
+    assert "guard-survey (guard-survey-cpu-x) 104 s" in text
     assert timings.first_build_figure([made]) is not None
 
 
