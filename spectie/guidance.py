@@ -132,26 +132,38 @@ def rows_text(rows: list[dict], baseline: str | None, marker: str = "[DATA]") ->
     return "; ".join(parts)
 
 
-def ends_text(baseline: dict | None, changed: dict[str, dict]) -> str:
+def runs_scope(runs: list[Record]) -> str:
+    """Which runs a sentence over `runs` covers, in words: 'the 9 configurations of vLLM 0.32.0 (CPU, host x) on
+    prompt seed 0'."""
+    if not runs:
+        return "no recorded run"
+    seeds = sorted({r.parameters.prompt_seed for r in runs})
+    first = runs[0]
+    return (f"the {plural(len({r.parameters.configuration for r in runs}), 'configuration')} of vLLM "
+            f"{first.fingerprint.vllm} ({first.device}, host {first.fingerprint.host_id}) on prompt "
+            f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}")
+
+
+def ends_text(baseline: dict | None, changed: dict[str, dict], scope: str = "these runs") -> str:
     """Whether speculation moved where the completions end, in words: `changed` maps each configuration that
     wrote other tokens than plain greedy to its first repeat; `baseline` is plain greedy's first repeat."""
     if baseline is None or not changed:
-        return "No speculative completion differs from plain greedy's, so nothing moved"
+        return f"In {scope}, no speculative completion differs from plain greedy's, so nothing moved"
     moved = [name for name, repeat in changed.items()
              if (repeat["finish_reason"], repeat["output_tokens"]) != (baseline["finish_reason"], baseline["output_tokens"])]
     if moved:
-        return (f"Where the completion ends moved for {', '.join(moved)}: a near-tie flipped early in the completion "
-                "changes everything after it")
-    return (f"Every changed completion ended where plain greedy's did ({outcome(baseline)}): speculation changed "
-            "tokens, not where the completion stops")
+        return (f"In {scope}, where the completion ends moved for {', '.join(moved)}: a near-tie flipped early in the "
+                "completion changes everything after it")
+    return (f"In {scope}, every changed completion ended where plain greedy's did ({outcome(baseline)}): there, "
+            "speculation changed tokens, not where the completion stops")
 
 
-def stops_text(margins: list[float], flagged: int, threshold: float) -> str:
-    """The detector on the recorded stops, in words."""
+def stops_text(margins: list[float], flagged: int, threshold: float, scope: str = "these runs") -> str:
+    """The detector on the recorded stops of the runs `scope` names, in words."""
     if not margins:
-        return "No recorded run stopped before its token limit, so the detector had no stop to judge"
-    return (f"The recorded stops won by {min(margins):.2f} to {max(margins):.2f} logits: {flagged} of {len(margins)} "
-            f"are within the detector's threshold of {threshold:.3f} logits")
+        return f"No run of {scope} stopped before its token limit, so the detector had no stop of theirs to judge"
+    return (f"The stops of {scope} won by {min(margins):.2f} to {max(margins):.2f} logits: {flagged} of "
+            f"{len(margins)} are within the detector's threshold of {threshold:.3f} logits")
 
 
 def upstream_text(changed: dict[str, dict], baseline: dict | None, divergence_at: str) -> str:
@@ -278,17 +290,19 @@ def run_facts(runs: list[Record]) -> dict:
         "repeats_each": max((r.results.runs_total for r in runs), default=0),
         "failed_names": ", ".join(f"{r.parameters.configuration} ({r.results.status})" for r in failed)
         or "none",
-        "ends_text": ends_text(base, changed),
+        "ends_text": ends_text(base, changed, runs_scope(runs)), "runs_scope": runs_scope(runs),
         "batch_invariant_text": batch_invariant_text(runs, baseline_run(runs)),
     }
 
 
-def detector_facts(rows: list[dict], threshold: float) -> dict:
-    """The glue values of the tie-stop detector on the recorded stops (rows from detector_rows)."""
+def detector_facts(rows: list[dict], threshold: float, scope: str = "these runs") -> dict:
+    """The glue values of the tie-stop detector on the recorded stops (rows from detector_rows) of the runs `scope`
+    names."""
     stops = [r for r in rows if r["finish"] == "stop"]
     flagged = sum(1 for r in stops if r["flagged"])
     margins = [r["margin"] for r in stops if r["margin"] is not None and r["margin"] == r["margin"]]  # not NaN
-    return {"stops_total": len(stops), "stops_flagged": flagged, "stops_text": stops_text(margins, flagged, threshold)}
+    return {"stops_total": len(stops), "stops_flagged": flagged,
+            "stops_text": stops_text(margins, flagged, threshold, scope)}
 
 
 def decisive_facts(records: list[Record]) -> dict:
@@ -364,7 +378,8 @@ def evidence_values(page: Page) -> dict:
         "threshold": page.threshold, "threshold_origin": page.origin, "tie_threshold": page.tie_threshold,
         "tie_threshold_origin": page.tie_origin, "largest_label": page.largest["label"],
         "largest_band": page.largest["band"], "largest_order": page.largest["order"],
-        **run_facts(page.runs), **b200_facts(page.reported), **detector_facts(detector, page.tie_threshold),
+        **run_facts(page.runs), **b200_facts(page.reported),
+        **detector_facts(detector, page.tie_threshold, runs_scope(page.runs)),
         "detector_table": pd.DataFrame(detector).style.format(precision=3, na_rep="—")
         .format({"flagged": yes_no}, na_rep="—").hide(axis="index"),
         **decisive_facts(margins),

@@ -36,15 +36,16 @@ def test_outcomes_are_grouped_by_how_they_ended():
 def test_the_computed_sentences_say_what_the_records_say():
     limit = {"finish_reason": "length", "output_tokens": 96}
     stop = {"finish_reason": "stop", "output_tokens": 12}
-    assert guidance.ends_text(limit, {"mtp-k1": limit}) == (
-        "Every changed completion ended where plain greedy's did (the 96-token limit (length)): speculation changed "
-        "tokens, not where the completion stops")
-    assert guidance.ends_text(limit, {"mtp-k1": limit, "mtp-k8": stop}).startswith(
-        "Where the completion ends moved for mtp-k8:")
-    assert guidance.ends_text(limit, {}).startswith("No speculative completion differs")
-    assert guidance.stops_text([], 0, 0.1).startswith("No recorded run stopped")
+    scope = "the 2 configurations of vLLM 0.32.0 (CPU, host h) on prompt seed 0"
+    assert guidance.ends_text(limit, {"mtp-k1": limit}, scope) == (
+        f"In {scope}, every changed completion ended where plain greedy's did (the 96-token limit (length)): there, "
+        "speculation changed tokens, not where the completion stops")
+    assert guidance.ends_text(limit, {"mtp-k1": limit, "mtp-k8": stop}, scope).startswith(
+        f"In {scope}, where the completion ends moved for mtp-k8:")
+    assert guidance.ends_text(limit, {}, scope).startswith(f"In {scope}, no speculative completion differs")
+    assert guidance.stops_text([], 0, 0.1, scope).startswith(f"No run of {scope} stopped")
     assert guidance.stops_text([0.0, 0.5], 1, 0.1) == \
-        "The recorded stops won by 0.00 to 0.50 logits: 1 of 2 are within the detector's threshold of 0.100 logits"
+        "The stops of these runs won by 0.00 to 0.50 logits: 1 of 2 are within the detector's threshold of 0.100 logits"
     assert guidance.upstream_text({"mtp-k1": limit}, limit, "58").endswith("the classifier is the tool that finds the tie")
     assert "not at the stop" in guidance.upstream_text({"mtp-k1": stop}, limit, "9")
     assert guidance.upstream_text({}, limit, "—").startswith("Speculation left every completion")
@@ -152,7 +153,8 @@ def test_run_facts_say_what_ran_what_changed_and_how_it_ended():
     assert facts["repeat_note"] == "up to 2 distinct outputs per configuration"
     assert facts["determinism_text"] == "not deterministic: repeats differ"
     assert facts["failed_names"] == "ngram_gpu (error)"
-    assert facts["ends_text"].startswith("Where the completion ends moved for mtp-k8, ngram:")
+    assert facts["runs_scope"] == "the 5 configurations of vLLM 0.19.0 (CPU, host host-a) on prompt seed 0"
+    assert facts["ends_text"].startswith(f"In {facts['runs_scope']}, where the completion ends moved for mtp-k8, ngram:")
     assert facts["batch_invariant_text"] == "not measured yet: no record of a batch-invariant configuration"
 
     same = guidance.run_facts(_runs()[:2])
@@ -167,10 +169,13 @@ def test_run_facts_say_what_ran_what_changed_and_how_it_ended():
 def test_detector_facts_count_the_stops_inside_the_band():
     rows = [{"finish": "stop", "margin": 0.05, "flagged": True}, {"finish": "stop", "margin": 1.5, "flagged": False},
             {"finish": "stop", "margin": None, "flagged": None}, {"finish": "length", "margin": None, "flagged": None}]
-    assert guidance.detector_facts(rows, 0.1) == {
+    assert guidance.detector_facts(rows, 0.1, "the 2 runs here") == {
         "stops_total": 3, "stops_flagged": 1,
-        "stops_text": "The recorded stops won by 0.05 to 1.50 logits: 1 of 2 are within the detector's threshold of 0.100 logits"}
+        "stops_text": "The stops of the 2 runs here won by 0.05 to 1.50 logits: 1 of 2 are within the detector's "
+                      "threshold of 0.100 logits"}
     assert guidance.detector_facts([], 0.1)["stops_total"] == 0
+    assert guidance.detector_facts([], 0.1, "the 2 runs here")["stops_text"] == (
+        "No run of the 2 runs here stopped before its token limit, so the detector had no stop of theirs to judge")
     stop = {"stop_token": "<eos>", "margin": 0.04, "runner_up": "x"}
     detector = guidance.detector_rows([_run("plain", [1, 0], method="none", stop_margin=stop)], 0.1)
     assert guidance.detector_facts(detector, 0.1)["stops_flagged"] == 1
