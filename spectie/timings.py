@@ -121,7 +121,7 @@ def first_build_sentence(records: list[Record]) -> str:
     """What a host new to the records spent its first clean build on, per such record; or how to measure it."""
     new = [r for r in records if r.parameters.new_host]
     if not new:
-        return f"A new machine's first build is not timed yet: `{COMMAND}` (as root) times it."
+        return f"A new machine's first build is not timed yet: {COMMAND} (as root) times it."
     sentences = []
     for record in new:
         build = next((s for s in record.results.steps if s["step"] == "clean-build"), None)
@@ -136,7 +136,7 @@ def first_build_sentence(records: list[Record]) -> str:
                             for m in record.results.clean_build_measurements[:4])
         sentences.append(
             f"On {host_label(record)}, as a machine new to the records (a machine id of its own), at commit "
-            f"{(record.parameters.source_commit or 'unknown')[:7]}: `make build` from clean took {build['seconds']} s, "
+            f"{(record.parameters.source_commit or 'unknown')[:7]}: make build from clean took {build['seconds']} s, "
             f"{verdict} its target of {build['target_seconds']} s"
             + (" (it failed)" if not build["ok"] else "") + ". "
             + (f"Its chapters: {parts}; the rest (staleness checks, the HTML) {max(rest, 0):.0f} s. " if parts else "")

@@ -65,7 +65,7 @@ def test_without_a_new_host_run_the_appendix_names_the_command(tmp_path):
     known = timings.make_record(pipeline_folder(tmp_path), new_host=False, results_dir=tmp_path / "results")
     assert timings.steps_table([known])[1]["target (s)"] == 480
     assert timings.first_build_sentence([known]) == timings.first_build_sentence([])
-    assert "not timed yet: `NEW_HOST=1 scripts/time_pipeline.sh`" in timings.first_build_sentence([])
+    assert "not timed yet: NEW_HOST=1 scripts/time_pipeline.sh" in timings.first_build_sentence([])
     assert timings.first_build_figure([known]) is None
 
 
