@@ -59,18 +59,19 @@ def error_line(log_text: str) -> str | None:
     return found[-1].strip()[:300] if found else None
 
 
-def probe_server(python, model: str, speculative: dict | None, log_path) -> dict:
-    """The three requests of STEPS against a fresh `vllm serve`: each one's prompt length and answer, the log's
-    error line, whether the process was still running at the end."""
+def probe_server(python, model: str, speculative: dict | None, log_path, env: dict | None = None) -> dict:
+    """The three requests of STEPS against a fresh `vllm serve` (with the environment `env`'s engine flags and
+    variables): each one's prompt length and answer, the log's error line, whether the process was still running
+    at the end."""
     from spectie.guard_measure import free_port, serve_command, served
     from spectie.tokenizer import model_tokenizer
 
     eos = model_tokenizer(model).convert_tokens_to_ids("<|endoftext|>")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    command = serve_command(python, model, port, speculative)
+    command = serve_command(python, model, port, speculative, engine=(env or {}).get("engine"))
     served_model = command[command.index("--served-model-name") + 1]
-    with served(command, url, log_path) as process:
+    with served(command, url, log_path, environment=(env or {}).get("engine_environment")) as process:
         requests = [{"step": name, "prompt_tokens": length, **_ask(url, served_model, [eos] * length)}
                     for name, length in STEPS]
         running = process.poll() is None
@@ -82,6 +83,7 @@ def measure(model: str = "organism", environment: str = "cpu", results_dir=None,
     """Every server of SERVERS probed; this host's record, reused where the same measurement is recorded."""
     from spectie.engines.checks import engine_python, probe_vllm
     from spectie.engines.runner import engine_fingerprint
+    from spectie.environments import get_environment
     from spectie.fingerprint import host_id, measurement_key, now
     from spectie.model import resolve_model
     from spectie.paths import project_root
@@ -100,7 +102,7 @@ def measure(model: str = "organism", environment: str = "cpu", results_dir=None,
     for name, speculative in SERVERS.items():
         log(f"server probe: vllm serve ({name}), prompts of {', '.join(str(n) for _, n in STEPS)} tokens")
         servers[name] = probe_server(python, path, speculative, project_root() / "_build" / "logs" / CHAPTER /
-                                     f"server-probe-{name}.log")
+                                     f"server-probe-{name}.log", get_environment(environment))
     record = measured_record(
         record_id=f"{KIND}-{environment}-{host_id()}".lower(), kind=KIND, chapter=CHAPTER,
         title=f"vllm serve {probe['vllm_version']} ({probe['platform']}) on prompts of one and two tokens",
