@@ -385,6 +385,12 @@ def _parser() -> argparse.ArgumentParser:
     return build_parser()
 
 
+# Modules of the package's extras (pyproject.toml) -> (the extra, what to say it needs).
+EXTRAS = {"torch": ("classify", "torch and transformers"), "papermill": ("book", "the book's stack"),
+          "matplotlib": ("book", "the book's stack"), "pandas": ("book", "the book's stack"),
+          "myst_nb": ("book", "the book's stack"), "vllm": ("book", "vLLM (make setup, or make venv ENV=...)")}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)  # a usage error exits 2 (argparse)
     try:
@@ -397,10 +403,22 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader stopped reading (`spectie stale | head`): not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes at exit
         return 0
+    except ModuleNotFoundError as exc:  # an extra that is not installed (the operator's wheel alone), else a bug
+        missing = (exc.name or "").split(".")[0]
+        if missing not in EXTRAS:
+            return _internal_error(exc)
+        extra, modules = EXTRAS[missing]
+        print(f"error: spectie {args.command} needs {modules}, which are not installed here: "
+              f"pip install 'spectie[{extra}]' (or make setup in the book's checkout)", file=sys.stderr)
+        return BAD_INPUT
     except Exception as exc:  # a bug, not bad input: say so, with what a report needs
-        import traceback
+        return _internal_error(exc)
 
-        traceback.print_exc()
-        print(f"internal error: {type(exc).__name__}: {exc} (a bug in spectie; please report it with the traceback)",
-              file=sys.stderr)
-        return INTERNAL_ERROR
+
+def _internal_error(exc: Exception) -> int:
+    import traceback
+
+    traceback.print_exc()
+    print(f"internal error: {type(exc).__name__}: {exc} (a bug in spectie; please report it with the traceback)",
+          file=sys.stderr)
+    return INTERNAL_ERROR

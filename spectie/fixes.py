@@ -19,10 +19,12 @@ import json
 from pathlib import Path
 
 from spectie.errors import UsageError
-from spectie.paths import project_root
 from spectie.record_types import Record
 
 LEDGER = "sources/fix_ledger.json"
+# The package's own link to it (spectie/fix_ledger.json -> ../sources/fix_ledger.json): a wheel of the package carries
+# the file itself, so `spectie fixes` answers where only the wheel is installed.
+PACKAGED = Path(__file__).with_name("fix_ledger.json")
 CHAPTER = "fix_ledger"
 ENVIRONMENT = "cpu"  # the ledger was made on the project's own machine (wheels downloaded, sources read)
 VERDICTS = {"present": "has it", "absent": "lacks it", "unknown": "cannot tell (the wheel's source does not say)",
@@ -36,7 +38,7 @@ FAILURES = {
 
 
 def read_ledger(path: str | Path | None = None) -> dict:
-    path = Path(path) if path else project_root() / LEDGER
+    path = Path(path) if path else PACKAGED
     if not path.is_file():
         raise UsageError(f"no fix ledger at {path}: run `python3 scripts/fix_ledger.py {LEDGER}`")
     return json.loads(path.read_text())
@@ -54,7 +56,7 @@ def ledger_record(path: str | Path | None = None) -> Record:
     from spectie.fingerprint import host_id
     from spectie.records import measured_record
 
-    path = Path(path) if path else project_root() / LEDGER
+    path = Path(path) if path else PACKAGED
     ledger = read_ledger(path)
     fixes = []
     for group in ledger["markers"]:
