@@ -1,0 +1,70 @@
+"""The load measurement's plan and parameters (spectie.guard_load), and what its records are made to say
+(spectie.guard_load_page). The real servers run in `make run CHAPTER=guidance PARAMS=environments/runs/*-guard-load.yaml`
+(tests/test_served.py runs the proxy in front of a real vllm serve)."""
+
+import pytest
+
+from conftest import typed
+from spectie import guard_load, guard_load_page
+from spectie.errors import UsageError
+
+GOOD = dict(servers=["plain", "mtp-k1"], levels=[1, 8], seeds=[0, 5], survey_prompts=2, survey_tokens=16,
+            copies_seeds=[0], prefix_caching=[False, True])
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"servers": ["mtp-k3"]}, "load_servers must be a list of distinct values"),
+    ({"prefix_caching": ["on"]}, "load_prefix_caching must be a list"),
+    ({"levels": [8, 64]}, "load_levels must include 1"),
+    ({"levels": [1, 0]}, "load_levels must be an integer >= 1"),
+    ({"levels": [1, 1000]}, "from 1 to 256"),
+    ({"copies_seeds": [3]}, "must be among load_seeds"),
+    ({"seeds": [], "copies_seeds": [], "survey_prompts": 0}, "needs prompts"),
+    ({"survey_tokens": 0}, "load_survey_tokens must be an integer >= 1"),
+])
+def test_bad_parameters_are_refused_before_any_server_starts(change, message):
+    guard_load.check_arguments(**GOOD)
+    with pytest.raises(UsageError, match=message):
+        guard_load.check_arguments(**{**GOOD, **change})
+
+
+def test_each_level_sends_every_prompt_and_its_batches_of_copies():
+    items = [guard_load.Item(label, [1, 2], 4) for label in ("seed-0", "seed-5", "survey-1")]
+    plan = guard_load.batches(items, [64, 1, 8], [0, 5])
+    assert [(level, name, len(requests)) for level, name, requests in plan] == [
+        (1, "distinct", 3), (8, "distinct", 8), (8, "copies", 8), (8, "copies", 8),
+        (64, "distinct", 64), (64, "copies", 64), (64, "copies", 64)]
+    assert {r.label for r in plan[1][2]} == {"seed-0", "seed-5", "survey-1"}
+    assert {r.label for r in plan[3][2]} == {"seed-5"}
+
+
+def load_record(server: str, cache: bool, rows: list[tuple]) -> object:
+    """A guard-load record whose rows are (level, route, prompt, finish_reason, output_tokens, digest)."""
+    return typed({"id": f"guard-load-{server}-{cache}", "kind": "guard-load", "chapter": "guidance",
+                  "environments": ["cpu"], "fingerprint": {"host_id": "h", "cpu": "a CPU"},
+                  "parameters": {"server": server, "prefix_caching": cache},
+                  "results": {"error": None, "batches": [], "rows": [
+                      {"level": level, "workload": "distinct", "route": route, "prompt": prompt, "error": None,
+                       "finish_reason": finish, "output_tokens": tokens, "digest": digest, "seconds": 1.0,
+                       "near_tie_stop": finish == "stop" and tokens < 96, "resumed": 0}
+                      for level, route, prompt, finish, tokens, digest in rows]}})
+
+
+def test_what_load_and_prefix_caching_changed_is_counted_against_the_right_reference():
+    plain = load_record("plain", False, [(1, "straight", "seed-0", "length", 96, "A"),
+                                         (8, "straight", "seed-0", "length", 96, "A")])
+    mtp = load_record("mtp-k1", False, [(1, "straight", "seed-0", "length", 96, "A"),
+                                        (8, "straight", "seed-0", "stop", 10, "B"),
+                                        (8, "straight", "seed-0", "length", 96, "A")])
+    cached = load_record("mtp-k1", True, [(1, "straight", "seed-0", "stop", 10, "B")])
+    rows = {(c["server"], c["prefix caching"], c["level"]): c for c in guard_load_page.cells([plain, mtp, cached])}
+    assert rows[("mtp-k1", "off", 8)]["earlier than plain"] == 1
+    assert rows[("mtp-k1", "off", 8)]["differ from one at a time"] == 1
+    assert rows[("mtp-k1", "off", 1)]["earlier than plain"] == 0 and rows[("plain", "off", 8)]["earlier than plain"] == 0
+    assert rows[("mtp-k1", "on", 1)]["earlier than plain"] == 1
+    assert guard_load_page.cache_effect([plain, mtp, cached]) == (1, 1)
+    text = guard_load_page.load_sentence("cpu, a CPU (host h)", [plain, mtp, cached])
+    assert "1 of 3 answers under load differed" in text and "1 stopped earlier than plain greedy under load" in text
+    assert "with prefix caching on, 1 of 1 one-at-a-time answers differed" in text
+    calm = guard_load_page.load_sentence("d", [plain])
+    assert "0 of 1 answers under load differed" in calm and "prefix caching on" not in calm
