@@ -135,11 +135,82 @@ def load_values(page) -> dict:
 
     records = [r for r in load_records(chapter="guidance", kind=KIND) if same_weights(r, page.model)]
     if not records:
-        return {"load_text": NOT_RUN, "load_table": NOT_RUN, "load_failed": "—", "load_provenance": "no record yet"}
+        return {"load_text": NOT_RUN, "load_table": NOT_RUN, "load_failed": "—", "load_provenance": "no record yet",
+                "load_checklist": NOT_RUN}
     devices = by_device(records)
     frames = {device: pd.DataFrame(cells(rs)) for device, rs in devices.items()}
     table = pd.concat(frames, names=["device", None]).reset_index(level=1, drop=True) if frames else NOT_RUN
     return {"load_text": ". ".join(load_sentence(d, rs) for d, rs in devices.items()),
             "load_table": table.style.format(precision=2, na_rep="—"),
             "load_failed": "; ".join(f for rs in devices.values() for f in failed(rs)) or "none",
-            "load_provenance": provenance_line(records)}
+            "load_provenance": provenance_line(records), "load_checklist": checklist_text(records)}
+
+
+def is_gpu(record: Record) -> bool:
+    return bool(record.fingerprint.gpu)
+
+
+def device_totals(records: list[Record]) -> dict:
+    """One device's answers under every load level: near-tie stops that reached the client straight and through the
+    guard, answers resumed by the guard, errors."""
+    rows = [row for r in records for row in r.results.rows or []]
+    done = [row for row in rows if not row["error"]]
+    return {"answers": len(done), "errors": len(rows) - len(done),
+            "straight": sum(bool(row.get("near_tie_stop")) for row in done if row["route"] == "straight"),
+            "guarded": sum(bool(row.get("near_tie_stop")) for row in done if row["route"] == "guarded"),
+            "resumed": sum((row.get("resumed") or 0) > 0 for row in done if row["route"] == "guarded"),
+            "levels": sorted({row["level"] for row in rows})}
+
+
+def summary_values(records: list[Record]) -> dict:
+    """The first page's line on the guard under load, per device, and whether any GPU measured it."""
+    loads = [r for r in records if r.kind == KIND]
+    lines = []
+    for device, rs in by_device(loads).items():
+        t = device_totals(rs)
+        lines.append(f"{device}: near-tie end-of-text stops reached the client in {t['straight']} answers straight "
+                     f"and {t['guarded']} through the guard ({t['answers']} answers at "
+                     f"{', '.join(map(str, t['levels']))} requests in flight; {t['resumed']} resumed, "
+                     f"{t['errors']} errors; measured)")
+    if not any(is_gpu(r) for r in loads):
+        lines.append("not measured on a GPU yet: `make run CHAPTER=guidance ENV=v0.32.0-h100 "
+                     "PARAMS=environments/runs/v0.32.0-h100-guard-load.yaml` on an H100 or H200")
+    return {"guard_devices": "; ".join(lines) if lines else NOT_RUN}
+
+
+def added_latency(records: list[Record]) -> dict[int, tuple[float, float]]:
+    """Per level, the guard's added seconds per request on one device: the 50th and 95th percentiles of the
+    requests through the guard minus those of the same batches sent straight (every server and workload)."""
+    seconds = defaultdict(list)
+    for row in (row for r in records for row in r.results.rows or []):
+        if not row["error"]:
+            seconds[(row["level"], row["route"])].append(row["seconds"])
+    return {level: tuple(_percentile(seconds[(level, "guarded")], q) - _percentile(seconds[(level, "straight")], q)
+                         for q in (50, 95))
+            for level in sorted({level for level, _ in seconds})
+            if seconds[(level, "guarded")] and seconds[(level, "straight")]}
+
+
+def moved(records: list[Record]) -> bool:
+    """Did load or prefix caching change an answer or move a stop on this device?"""
+    table = cells(records)
+    loaded = [c for c in table if c["level"] > 1]
+    cache = cache_effect(records)
+    return (any(c["differ from one at a time"] or c["earlier than plain"] for c in loaded)
+            or bool(cache and cache[0]))
+
+
+def checklist_text(records: list[Record]) -> str:
+    """The operator checklist's line on load, per device, from the records: what moved and what the guard cost."""
+    if not records:
+        return NOT_RUN
+    parts = []
+    for device, rs in by_device(records).items():
+        cost = ", ".join(f"{p50:+.2f} s (p50) and {p95:+.2f} s (p95) at {level} in flight"
+                         for level, (p50, p95) in added_latency(rs).items())
+        verdict = ("load or prefix caching changed answers there: test under your own concurrency and prefix-caching "
+                   "setting, not one request at a time" if moved(rs) else
+                   "neither load nor prefix caching changed an answer there: a one-at-a-time check stood for a "
+                   "loaded server")
+        parts.append(f"on {device}, {verdict}; the guard added {cost or 'nothing measurable'}")
+    return "; ".join(parts)
