@@ -85,6 +85,7 @@ ISSUE_39273 = "https://github.com/vllm-project/vllm/issues/39273"
 MARKERS = [
     {
         "fix": "39273 / PR 40738",
+        "state": "open",  # the pull request's state in the stored thread read for this ledger
         "title": "Fix GDN conv + SSM state corruption with ngram spec decode",
         "threads": [ISSUE_39273, "https://github.com/vllm-project/vllm/pull/40738"],
         "markers": [
@@ -106,6 +107,7 @@ MARKERS = [
     },
     {
         "fix": "39273 / PR 52942",
+        "state": "open",  # the pull request's state in the stored thread read for this ledger
         "title": "Fix stale mamba/GDN states with ngram spec decode on hybrid models",
         "threads": [ISSUE_39273, "https://github.com/vllm-project/vllm/pull/52942"],
         "markers": [
@@ -122,6 +124,7 @@ MARKERS = [
     },
     {
         "fix": "39273 / PR 56531 (identifier named in the PR)",
+        "state": "open",  # the pull request's state in the stored thread read for this ledger
         "title": "Route every speculation-capable row through the speculative path",
         "threads": [
             ISSUE_39273,
@@ -138,6 +141,7 @@ MARKERS = [
     },
     {
         "fix": "39273 / PR 56531 (behaviour described in the PR)",
+        "state": "open",  # the pull request's state in the stored thread read for this ledger
         "title": "Zero-draft decode rows stay speculative rows (V1 runner, GDN builder,"
         " V2 runner)",
         "threads": [
@@ -186,6 +190,7 @@ MARKERS = [
     },
     {
         "fix": "51812",
+        "state": "merged",  # the pull request's state in the stored thread read for this ledger
         "title": "Align Qwen GDN gates with speculative tokens",
         "threads": ["https://github.com/vllm-project/vllm/pull/51812"],
         "markers": [
@@ -212,6 +217,7 @@ MARKERS = [
     },
     {
         "fix": "41467",
+        "state": "closed",  # the pull request's state in the stored thread read for this ledger
         "title": "Detect MTP truncation at reasoning-to-tool-call boundary (closed PR)",
         "threads": ["https://github.com/vllm-project/vllm/pull/41467"],
         "markers": [],

@@ -115,8 +115,8 @@ def exact_order_text(points: list[dict]) -> str:
                 "the order of the sums alone makes a band everywhere it was measured")
     return (f"For {'; '.join(exact)} the order of the sums alone makes no band at all: every bf16 shape gave "
             "the bf16 full forward's margins exactly, so however those kernels cut the sequence they summed each logit the same "
-            "way. There a tie can flip between an fp32 reference and bf16, not between two bf16 computations "
-            "such as plain and speculative decoding")
+            "way. With those kernels a tie there can flip between an fp32 reference and bf16, not between two of "
+            "these bf16 computations; vLLM's own kernels sum in orders of their own, which this sweep did not run")
 
 
 def incident_reach(margin: float, point: dict) -> str:

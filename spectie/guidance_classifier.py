@@ -192,16 +192,14 @@ def gpu_verdicts_text(runs: list[Record], rows: list[dict], band: float, band_or
                       ledger: dict) -> str:
     """One GPU environment's divergences under the classifier, and the #39273 fixes the ledger finds in its
     release, in words."""
-    from spectie.fixes import fixes_for
+    from spectie.fixes import pull_requests_text
 
     fingerprint = runs[0].fingerprint
     seeds = sorted({r.parameters.prompt_seed for r in runs})
-    ledger_rows = [r for r in fixes_for(ledger, fingerprint.vllm) if r["fix"].startswith("39273")]
     return (f"vLLM {fingerprint.vllm} on an {fingerprint.gpu} ({runs[0].environment}, {len(seeds)} "
             f"prompts): {plural(len(rows), 'divergence')} at the band of {band:.3f} logits ({band_origin}); "
             f"{recorded_verdicts_text(rows, widest_band)}. The fix ledger on this release for vLLM #39273 "
-            "(ngram on GDN models corrupting state): "
-            + (", ".join(f"{r['fix']}: {r['this release']}" for r in ledger_rows) or "not in the ledger"))
+            "(ngram on GDN models corrupting state), per pull request: " + pull_requests_text(ledger, fingerprint.vllm))
 
 
 

@@ -312,7 +312,7 @@ def gpu_finding_parts(records: list[Record], ledger: Record | None = None) -> li
     than plain greedy and with which configurations, whether ngram_gpu parted from plain greedy and how the
     classifier's verdict records call those divergences, and which #39273 fixes the ledger finds in that
     release. Each covers one environment's records, all of its prompts: (where it ran, [one clause a path])."""
-    from spectie.fixes import VERDICTS, fixes_for
+    from spectie.fixes import pull_requests_text
 
     divergences = {(row["environment"], row["method"]): row for row in engine_divergences(records)}
     lines = []
@@ -341,10 +341,8 @@ def gpu_finding_parts(records: list[Record], ledger: Record | None = None) -> li
                     f"{len(generations)} generations")
             parts.append(text + _verdicts_clause(divergences.get((env_id, "ngram_gpu")), bool(parted)))
         if ledger is not None:
-            rows = [r for r in fixes_for(ledger, first.vllm) if r["fix"].startswith("39273")]
-            has = [r["fix"] for r in rows if r["this release"] == VERDICTS["present"]]
-            parts.append("the fix ledger finds in this release " + (", ".join(has) if has else "none") + " of the "
-                         f"{len(rows)} #39273 fixes (GDN state under speculation)")
+            parts.append("the fix ledger's pull requests for #39273 (GDN state under speculation) in this release: "
+                         + pull_requests_text(ledger, first.vllm))
         lines.append((head, parts))
     return lines
 
@@ -352,7 +350,7 @@ def gpu_finding_parts(records: list[Record], ledger: Record | None = None) -> li
 def incident_ngram_text(records: list[Record], ledger: Record) -> str:
     """The incident's own ngram_gpu stops (reported) against the #39273 fixes the ledger finds in their release."""
     from spectie.environments import load_environments, release
-    from spectie.fixes import VERDICTS, fixes_for
+    from spectie.fixes import pull_requests_text
 
     environments = load_environments()
     parts = []
@@ -361,11 +359,9 @@ def incident_ngram_text(records: list[Record], ledger: Record) -> str:
             continue
         for version in sorted({release(environments[e]["vllm"]["version"]) for e in r.environments
                                if e in environments and environments[e]["vllm"].get("version")}):
-            has = [f["fix"] for f in fixes_for(ledger, version)
-                   if f["fix"].startswith("39273") and f["this release"] == VERDICTS["present"]]
             parts.append(f"the incident's own ngram_gpu {'stop' if r.results.stopped_early else 'run'} "
-                         f"(reported, record {r.id}) ran vLLM {version}, in which the fix ledger finds "
-                         + (", ".join(has) if has else "none of the #39273 fixes")
+                         f"(reported, record {r.id}) ran vLLM {version}, whose wheel the fix ledger reads as: "
+                         + pull_requests_text(ledger, version)
                          + same_release_ngram(records, version)
                          + ": it may be this correctness bug rather than a tie, and these records cannot tell which")
     return "; ".join(parts)
@@ -395,12 +391,15 @@ def same_release_ngram(records: list[Record], version: str) -> str:
                      for x in r.results.repeats)]
     said += [f"; on the organism, that release's ngram_gpu ({env}, measured) wrote plain greedy's tokens every time"
              for env in clean]
-    return "".join(said)
+    return "".join(dict.fromkeys(said))  # one clause per environment, however many hosts classified its runs
 
 
-def ngram_advice(records: list[Record]) -> str:
-    """What the records tell an operator of ngram_gpu on a hybrid model, per release run on a GPU."""
-    bad, clean = [], []
+def ngram_advice(records: list[Record], ledger: Record | None = None) -> str:
+    """What the records tell an operator of ngram_gpu on a hybrid model, per release run on a GPU; for a release
+    where it wrote plain greedy's tokens, what the fix ledger leaves open there."""
+    from spectie.fixes import pull_requests_text
+
+    bad, clean, versions = [], [], []
     divergences = {(row["environment"], row["method"]): row for row in engine_divergences(records)}
     for (env_id, _), runs in gpu_matrix_runs(records).items():
         ngram = [x for r in runs if r.parameters.method == "ngram_gpu" for x in r.results.repeats]
@@ -412,6 +411,7 @@ def ngram_advice(records: list[Record]) -> str:
             bad.append(label)
         elif all(x.get("same_as_baseline") for x in ngram):
             clean.append(label)
+            versions.append(runs[0].fingerprint.vllm)
     if not bad and not clean:
         return "no GPU run of ngram_gpu is recorded here"
     text = ""
@@ -420,6 +420,9 @@ def ngram_advice(records: list[Record]) -> str:
                  "correctness bug, measured on the organism)")
     if clean:
         text += ("; " if text else "") + f"on vLLM {' and '.join(clean)} it wrote plain greedy's tokens every time"
+        if ledger is not None:
+            text += (" (on the organism's prompts: not a proof that the state bug is gone; the fix ledger reads "
+                     + "; ".join(f"{v} as {pull_requests_text(ledger, v)}" for v in versions) + ")")
     return text
 
 
@@ -439,6 +442,6 @@ def page_values(records: list[Record], environments: dict[str, dict], ledger: Re
         "caveats": Markdown(bullets(answer.caveats or ["none in these records"])),
         "not_measured": Markdown(bullets(answer.not_measured)),
         "gpu_findings": Markdown(gpu_findings_markdown(records, ledger) or "- No vLLM run on a GPU is recorded."),
-        "ngram_advice": "; ".join(filter(None, [ngram_advice(records), incident_ngram_text(records, ledger)])),
+        "ngram_advice": "; ".join(filter(None, [ngram_advice(records, ledger), incident_ngram_text(records, ledger)])),
         "record_count": len(records), "measured_count": sum(r.measured for r in records),
         "commit_count": sum(bool(r.measured and r.fingerprint and r.fingerprint.source_commit) for r in records)}

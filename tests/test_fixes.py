@@ -18,7 +18,8 @@ def ledger_like(per_release: dict[str, dict[str, str]], first: dict[str, str | N
         "schema_version": 1, "id": "fix-ledger-test", "provenance": "measured", "kind": "fix-ledger",
         "chapter": fixes.CHAPTER, "title": "a ledger", "environments": [fixes.ENVIRONMENT],
         "parameters": {"releases": releases},
-        "results": {"fixes": [{"fix": name, "failure": fixes.failure_of(name), "title": name,
+        "results": {"fixes": [{"fix": name, "failure": fixes.failure_of(name), "title": name, "state": "open",
+                               "threads": [f"https://github.com/vllm-project/vllm/pull/{len(name)}"],
                                "per_release": verdicts, "first_release": first[name]}
                               for name, verdicts in per_release.items()]}})
 
@@ -82,12 +83,24 @@ def test_the_table_says_none_only_where_every_release_could_tell():
     record = ledger_like({"a": {"0.27.0": "absent", "0.28.0": "absent"}, "b": {"0.27.0": "absent", "0.28.0": "unknown"},
                           "c": {"0.27.0": "unknown", "0.28.0": "unknown"}, "d": {"0.27.0": "absent", "0.28.0": "present"}},
                          {"a": None, "b": None, "c": None, "d": "0.28.0"})
-    table = fixes.ledger_table(record)
+    table = fixes.ledger_table(record, measured={"0.28.0"})
+    assert table["that release run here on a GPU"].to_dict() == {"a": "—", "b": "—", "c": "—", "d": "yes"}
+    assert table.loc["d", "state"] == "open" and 'href="https://github.com/vllm-project/vllm/pull/1"' in table.loc["d", "thread"]
     assert table["first release with it"].to_dict() == {
         "a": "none of these", "b": "none of those that can tell; 0.28.0 cannot tell",
         "c": "unknown: no release's source can tell", "d": "0.28.0"}
     assert "failure" not in table.columns
     assert table.loc["d", "0.27.0"] == "A" and table.loc["d", "0.28.0"] == "P" and table.loc["b", "0.28.0"] == "?"
+
+
+def test_a_pull_request_read_in_two_marker_groups_is_named_once_per_release():
+    record = ledger_like({"39273 / PR 7 (identifier)": {"0.27.0": "absent", "0.28.0": "absent"},
+                          "39273 / PR 7 (behaviour)": {"0.27.0": "absent", "0.28.0": "present"},
+                          "39273 / PR 8": {"0.27.0": "absent", "0.28.0": "absent"}},
+                         {"39273 / PR 7 (identifier)": None, "39273 / PR 7 (behaviour)": "0.28.0", "39273 / PR 8": None})
+    assert fixes.pull_requests_text(record, "0.27.0") == "#7 (open): lacks it; #8 (open): lacks it"
+    assert fixes.pull_requests_text(record, "0.28.0") == ("#7 (open): identifier lacks it, behaviour has it; "
+                                                          "#8 (open): lacks it")
 
 
 def test_each_threads_failure_is_said_once():

@@ -139,8 +139,9 @@ def test_the_first_page_states_each_gpu_release_from_its_records():
             "the stop token ahead by 0.125 logits in vLLM's own logprobs)") in h100
     assert "never in mtp-compiled, mtp-v1-k6, mtp-v1-k7, mtp-v1-k8, mtp-v2-k6, mtp-v2-k7, mtp-v2-k8" in h100
     assert "ngram_gpu (K = 1, 6, 7, 8) wrote plain greedy's tokens in 320 of 320 generations" in h100
-    assert "the fix ledger finds in this release 39273 / PR 56531 (behaviour described in the PR) of the 4" in h100
-    assert "finds in this release none of the 4 #39273 fixes" in lines[0]
+    assert ("#56531 (open): identifier named in the PR lacks it, behaviour described in the PR has it" in h100
+            and h100.count("#56531") == 1)
+    assert "for #39273 (GDN state under speculation) in this release: #40738 (open): lacks it; #52942 (open): lacks it; #56531 (open): lacks it" in lines[0]
     # The same sentences turn with the records: a 0.32.0 ngram_gpu run that parts from plain greedy, called a
     # suspected bug, and an MTP K=1 run that goes on.
     changed = copy.deepcopy(records)
@@ -184,13 +185,14 @@ def test_the_incidents_ngram_gpu_stop_is_read_against_the_ledger(reported):
     ledger = ledger_record()
     text = summary.incident_ngram_text(typed_all(reported), ledger)
     assert text == ("the incident's own ngram_gpu stop (reported, record original-ngram_gpu-wide-verify) ran vLLM "
-                    "0.31.0, in which the fix ledger finds none of the #39273 fixes: it may be this correctness bug "
+                    "0.31.0, whose wheel the fix ledger reads as: #40738 (open): lacks it; #52942 (open): lacks it; #56531 (open): lacks it: it may be this correctness bug "
                     "rather than a tie, and these records cannot tell which")
     fixed = copy.deepcopy(ledger.stored)
     for fix in fixed["results"]["fixes"]:
         if fix["fix"].startswith("39273 / PR 56531 (behaviour"):
             fix["per_release"]["0.31.0"] = "present"
-    assert "in which the fix ledger finds 39273 / PR 56531 (behaviour described in the PR):" in summary.incident_ngram_text(typed_all(reported), typed(fixed))
+    assert "#56531 (open): identifier named in the PR lacks it, behaviour described in the PR has it:" in \
+        summary.incident_ngram_text(typed_all(reported), typed(fixed))
 
 
 def test_bullets_keep_a_name_spelled_with_an_inner_capital():
@@ -208,7 +210,7 @@ def test_the_incidents_ngram_gpu_release_is_read_against_its_measured_run(report
                 "results": {"rows": [{"class": "ngram_gpu", "verdict": "bug", "fp32_margin": -20.5},
                                      {"class": "ngram_gpu", "verdict": "near-tie", "fp32_margin": 0.01}]}}
     text = summary.incident_ngram_text(typed_all(reported + [verdicts]), ledger_record())
-    assert ("ran vLLM 0.31.0, in which the fix ledger finds none of the #39273 fixes; on the organism, ngram_gpu of "
+    assert ("ran vLLM 0.31.0, whose wheel the fix ledger reads as: #40738 (open): lacks it; #52942 (open): lacks it; #56531 (open): lacks it; on the organism, ngram_gpu of "
             "that release (v0.31.0-h100, measured) wrote tokens outside the noise band: the classifier calls 1 of its "
             "2 divergences suspected correctness bugs, so the bug is in that release: it may be") in text
     verdicts["results"]["rows"] = verdicts["results"]["rows"][1:]
