@@ -249,7 +249,7 @@ def measure(model: str, environment: str, servers: list[str], prefix_caching: li
              "environment_id": environment, "content_hash": content_hash}
     arguments = {"levels": sorted(levels), "prompts": [[i.label, len(i.ids), i.max_tokens] for i in items],
                  "copies_seeds": copies_seeds, "engine": setup["engine"], "model_label": model_label}
-    pairs = [(s, p) for s in servers for p in prefix_caching]
+    pairs = [(s, p) for p in prefix_caching for s in servers]  # in the order given: the first setting for every server
     bar = tqdm(total=len(pairs) * len(ROUTES) * sum(len(r) for _, _, r in plan), desc="guard under load",
                unit="request", disable=not progress, file=sys.stderr)
     try:
