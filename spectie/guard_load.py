@@ -221,7 +221,11 @@ def measure_server(setup: dict, server: str, prefix_caching: bool, plan, bar=Non
                 results.update(threshold=checked.threshold, threshold_origin=checked.threshold_origin,
                                max_resumes=checked.max_resumes)
     except (RuntimeError, UsageError) as exc:
-        results["error"] = " ".join(str(exc).split())[-1500:]
+        from spectie.serve_probe import error_line
+
+        server_log = logs / f"{name}.log"
+        said = error_line(server_log.read_text(errors="replace")) if server_log.is_file() else None
+        results["error"] = (f"vllm serve: {said}; " if said else "") + " ".join(str(exc).split())[-1200:]
     return results
 
 

@@ -109,7 +109,10 @@ def load_sentence(device: str, records: list[Record]) -> str:
     earlier_loaded = sum(c["earlier than plain"] for c in loaded)
     levels = sorted({c["level"] for c in loaded})
     servers = sorted({c["server"] for c in table})
+    rows = [row for r in records for row in r.results.rows or [] if not row["error"]]
+    stops = sum(row.get("finish_reason") == "stop" for row in rows)
     text = (f"On {device} ({', '.join(servers)}; levels {', '.join(map(str, [1, *levels]))}): "
+            f"{stops} of {len(rows)} answers ended on an end-of-text token; "
             f"{moved} of {sum(c['requests'] - c['errors'] for c in loaded)} answers under load differed from the same "
             f"server's answer one at a time; {earlier_loaded} stopped earlier than plain greedy under load, against "
             f"{sum(earlier_alone.values())} one at a time")
@@ -206,11 +209,13 @@ def checklist_text(records: list[Record]) -> str:
         return NOT_RUN
     parts = []
     for device, rs in by_device(records).items():
-        cost = ", ".join(f"{p50:+.2f} s (p50) and {p95:+.2f} s (p95) at {level} in flight"
+        cost = ", ".join(f"{p50:+.2f} s at the median and {p95:+.2f} s at the 95th percentile at {level} in flight"
                          for level, (p50, p95) in added_latency(rs).items())
         verdict = ("load or prefix caching changed answers there: test under your own concurrency and prefix-caching "
                    "setting, not one request at a time" if moved(rs) else
                    "neither load nor prefix caching changed an answer there: a one-at-a-time check stood for a "
                    "loaded server")
-        parts.append(f"on {device}, {verdict}; the guard added {cost or 'nothing measurable'}")
+        parts.append(f"on {device}, {verdict}; a request through the guard took, against the same batch sent "
+                     f"straight, {cost or 'nothing measured'} (a negative figure: the batches' own spread is larger "
+                     "than the guard's cost)")
     return "; ".join(parts)
