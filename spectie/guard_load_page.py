@@ -209,13 +209,15 @@ def checklist_text(records: list[Record]) -> str:
         return NOT_RUN
     parts = []
     for device, rs in by_device(records).items():
+        added = added_latency(rs)
         cost = ", ".join(f"{p50:+.2f} s at the median and {p95:+.2f} s at the 95th percentile at {level} in flight"
-                         for level, (p50, p95) in added_latency(rs).items())
+                         for level, (p50, p95) in added.items())
+        noise = (" (a negative figure: the batches' own spread is larger than the guard's cost)"
+                 if any(v < 0 for pair in added.values() for v in pair) else "")
         verdict = ("load or prefix caching changed answers there: test under your own concurrency and prefix-caching "
                    "setting, not one request at a time" if moved(rs) else
                    "neither load nor prefix caching changed an answer there: a one-at-a-time check stood for a "
                    "loaded server")
         parts.append(f"on {device}, {verdict}; a request through the guard took, against the same batch sent "
-                     f"straight, {cost or 'nothing measured'} (a negative figure: the batches' own spread is larger "
-                     "than the guard's cost)")
+                     f"straight, {cost or 'nothing measured'}{noise}")
     return "; ".join(parts)
