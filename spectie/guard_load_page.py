@@ -111,7 +111,7 @@ def load_sentence(device: str, records: list[Record]) -> str:
     servers = sorted({c["server"] for c in table})
     rows = [row for r in records for row in r.results.rows or [] if not row["error"]]
     stops = sum(row.get("finish_reason") == "stop" for row in rows)
-    text = (f"On {device} ({', '.join(servers)}; levels {', '.join(map(str, [1, *levels]))}): "
+    text = (f"on {device} ({', '.join(servers)}; levels {', '.join(map(str, [1, *levels]))}): "
             f"{stops} of {len(rows)} answers ended on an end-of-text token; "
             f"{moved} of {sum(c['requests'] - c['errors'] for c in loaded)} answers under load differed from the same "
             f"server's answer one at a time; {earlier_loaded} stopped earlier than plain greedy under load, against "
@@ -131,9 +131,39 @@ def cache_effect(records: list[Record]) -> tuple[int, int] | None:
     return (sum(on[0] != off[0] for on, off in pairs), len(pairs)) if pairs else None
 
 
+PAIRED = ("earlier than plain", "differ from one at a time", "near-tie stops reaching the client", "tokens/s",
+          "p50 s", "p95 s")  # shown as "straight / guarded"
+
+
+def _pair(straight, guarded) -> str:
+    shown = [("—" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v)) for v in (straight, guarded)]
+    return " / ".join(shown)
+
+
+def device_table(device: str, records: list[Record]):
+    """One device's cells as a table: a row per server, prefix caching, workload and level; each figure as
+    "straight / guarded"; the guard's resumes and the errors of both routes beside them."""
+    import pandas as pd
+
+    by_key = defaultdict(dict)
+    for c in cells(records):
+        by_key[(device, c["server"], c["prefix caching"], c["workload"], c["level"])][c["route"]] = c
+    rows = []
+    for key, routes in sorted(by_key.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][3] != "distinct", kv[0][4])):
+        straight, guarded = routes.get("straight", {}), routes.get("guarded", {})
+        row = {"answers": _pair(straight.get("requests"), guarded.get("requests"))}
+        row.update({name: _pair(straight.get(name), guarded.get(name)) for name in PAIRED})
+        row.update({"resumed by the guard": guarded.get("resumed", "—"),
+                    "errors": (straight.get("errors") or 0) + (guarded.get("errors") or 0)})
+        rows.append(row)
+    index = pd.MultiIndex.from_tuples(sorted(by_key, key=lambda k: (k[1], k[2], k[3] != "distinct", k[4])),
+                                      names=["device", "server", "prefix caching", "workload", "in flight"])
+    return pd.DataFrame(rows, index=index)
+
+
 def load_values(page) -> dict:
-    """The glue values of the load section: one table per device, a sentence per device, the servers that did not
-    start, and where every record came from."""
+    """The glue values of the load section: a table (a block of rows per device), a sentence per device, the servers
+    that did not start, and where every record came from."""
     import pandas as pd
 
     records = [r for r in load_records(chapter="guidance", kind=KIND) if same_weights(r, page.model)]
@@ -141,10 +171,9 @@ def load_values(page) -> dict:
         return {"load_text": NOT_RUN, "load_table": NOT_RUN, "load_failed": "—", "load_provenance": "no record yet",
                 "load_checklist": NOT_RUN}
     devices = by_device(records)
-    frames = {device: pd.DataFrame(cells(rs)) for device, rs in devices.items()}
-    table = pd.concat(frames, names=["device", None]).reset_index(level=1, drop=True) if frames else NOT_RUN
-    return {"load_text": ". ".join(load_sentence(d, rs) for d, rs in devices.items()),
-            "load_table": table.style.format(precision=2, na_rep="—"),
+    table = pd.concat([device_table(d, rs) for d, rs in devices.items()])
+    return {"load_text": "; ".join(load_sentence(d, rs) for d, rs in devices.items()),
+            "load_table": table.style,
             "load_failed": "; ".join(f for rs in devices.values() for f in failed(rs)) or "none",
             "load_provenance": provenance_line(records), "load_checklist": checklist_text(records)}
 
