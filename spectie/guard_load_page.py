@@ -25,6 +25,11 @@ def device_of(record: Record) -> str:
     return f"{record.environment}, {f.gpu or f.cpu} (host {f.host_id})"
 
 
+def short_device(record: Record) -> str:
+    """The device as a table's row label: environment and host (the sentence above the table names the CPU or GPU)."""
+    return f"{record.environment}, host {record.fingerprint.host_id}"
+
+
 def by_device(records: list[Record]) -> dict[str, list[Record]]:
     grouped = defaultdict(list)
     for record in records:
@@ -131,33 +136,41 @@ def cache_effect(records: list[Record]) -> tuple[int, int] | None:
     return (sum(on[0] != off[0] for on, off in pairs), len(pairs)) if pairs else None
 
 
-PAIRED = ("earlier than plain", "differ from one at a time", "near-tie stops reaching the client", "tokens/s",
-          "p50 s", "p95 s")  # shown as "straight / guarded"
+# The cells' figures shown as "straight / guarded", under short headings (the text under the table says each).
+PAIRED = {"earlier than plain": "earlier", "differ from one at a time": "differ",
+          "near-tie stops reaching the client": "near-tie stops", "tokens/s": "tokens/s", "p50 s": "p50 s",
+          "p95 s": "p95 s"}
 
 
 def _pair(straight, guarded) -> str:
     shown = [("—" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v)) for v in (straight, guarded)]
-    return " / ".join(shown)
+    return "\u00a0/\u00a0".join(shown)  # never broken across lines
 
 
-def device_table(device: str, records: list[Record]):
-    """One device's cells as a table: a row per server, prefix caching, workload and level; each figure as
-    "straight / guarded"; the guard's resumes and the errors of both routes beside them."""
+OUTCOMES = ("earlier", "differ", "near-tie stops")
+SPEED = ("tokens/s", "p50 s", "p95 s")
+
+
+def device_table(device: str, records: list[Record], columns: tuple[str, ...]):
+    """One device's cells as a table: a row per server, prefix caching, workload and level; each of `columns`
+    (short names of PAIRED) as "straight / guarded"; with the outcomes, the guard's resumes and both routes' errors."""
     import pandas as pd
 
     by_key = defaultdict(dict)
     for c in cells(records):
         by_key[(device, c["server"], c["prefix caching"], c["workload"], c["level"])][c["route"]] = c
+    order = sorted(by_key, key=lambda k: (k[1], k[2], k[3] != "distinct", k[4]))
+    names = {short: name for name, short in PAIRED.items()}
     rows = []
-    for key, routes in sorted(by_key.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][3] != "distinct", kv[0][4])):
-        straight, guarded = routes.get("straight", {}), routes.get("guarded", {})
-        row = {"answers": _pair(straight.get("requests"), guarded.get("requests"))}
-        row.update({name: _pair(straight.get(name), guarded.get(name)) for name in PAIRED})
-        row.update({"resumed by the guard": guarded.get("resumed", "—"),
-                    "errors": (straight.get("errors") or 0) + (guarded.get("errors") or 0)})
+    for key in order:
+        straight, guarded = by_key[key].get("straight", {}), by_key[key].get("guarded", {})
+        row = {"answers": _pair(straight.get("requests"), guarded.get("requests"))} if columns == OUTCOMES else {}
+        row.update({short: _pair(straight.get(names[short]), guarded.get(names[short])) for short in columns})
+        if columns == OUTCOMES:
+            row.update({"resumed": guarded.get("resumed", "—"),
+                        "errors": (straight.get("errors") or 0) + (guarded.get("errors") or 0)})
         rows.append(row)
-    index = pd.MultiIndex.from_tuples(sorted(by_key, key=lambda k: (k[1], k[2], k[3] != "distinct", k[4])),
-                                      names=["device", "server", "prefix caching", "workload", "in flight"])
+    index = pd.MultiIndex.from_tuples(order, names=["device", "server", "prefix caching", "workload", "in flight"])
     return pd.DataFrame(rows, index=index)
 
 
@@ -168,12 +181,13 @@ def load_values(page) -> dict:
 
     records = [r for r in load_records(chapter="guidance", kind=KIND) if same_weights(r, page.model)]
     if not records:
-        return {"load_text": NOT_RUN, "load_table": NOT_RUN, "load_failed": "—", "load_provenance": "no record yet",
-                "load_checklist": NOT_RUN}
+        return {"load_text": NOT_RUN, "load_table": NOT_RUN, "load_speed_table": NOT_RUN, "load_failed": "—",
+                "load_provenance": "no record yet", "load_checklist": NOT_RUN}
     devices = by_device(records)
-    table = pd.concat([device_table(d, rs) for d, rs in devices.items()])
+    tables = {columns: pd.concat([device_table(short_device(rs[0]), rs, columns) for rs in devices.values()])
+              for columns in (OUTCOMES, SPEED)}
     return {"load_text": "; ".join(load_sentence(d, rs) for d, rs in devices.items()),
-            "load_table": table.style,
+            "load_table": tables[OUTCOMES].style, "load_speed_table": tables[SPEED].style,
             "load_failed": "; ".join(f for rs in devices.values() for f in failed(rs)) or "none",
             "load_provenance": provenance_line(records), "load_checklist": checklist_text(records)}
 
