@@ -15,9 +15,9 @@ from spectie.record_types import Record
 from spectie.records import load_records, provenance_line, same_weights
 
 KIND = "guard-load"
-NOT_RUN = ("No load measurement is recorded for this model yet. `make run CHAPTER=guidance ENV=cpu "
-           "PARAMS=environments/runs/cpu-guard-load.yaml` runs it on the CPU build; "
-           "`environments/runs/v0.32.0-h100-guard-load.yaml` on an H100 or H200 with vLLM 0.32.0")
+NOT_RUN = ("not run yet for this model: make run CHAPTER=guidance ENV=cpu PARAMS=environments/runs/cpu-guard-load.yaml "
+           "runs it on the CPU build, and PARAMS=environments/runs/v0.32.0-h100-guard-load.yaml with ENV=v0.32.0-h100 "
+           "on an H100 or H200")  # glued as text: no Markdown
 
 
 def device_of(record: Record) -> str:
@@ -219,8 +219,8 @@ def summary_values(records: list[Record]) -> dict:
                      f"{', '.join(map(str, t['levels']))} requests in flight; {t['resumed']} resumed, "
                      f"{t['errors']} errors; measured)")
     if not any(is_gpu(r) for r in loads):
-        lines.append("not measured on a GPU yet: `make run CHAPTER=guidance ENV=v0.32.0-h100 "
-                     "PARAMS=environments/runs/v0.32.0-h100-guard-load.yaml` on an H100 or H200")
+        lines.append("not measured on a GPU yet (make run CHAPTER=guidance ENV=v0.32.0-h100 "
+                     "PARAMS=environments/runs/v0.32.0-h100-guard-load.yaml runs it on an H100 or H200)")
     return {"guard_devices": "; ".join(lines) if lines else NOT_RUN}
 
 
