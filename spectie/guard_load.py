@@ -225,7 +225,8 @@ def measure_server(setup: dict, server: str, prefix_caching: bool, plan, bar=Non
 
         server_log = logs / f"{name}.log"
         said = error_line(server_log.read_text(errors="replace")) if server_log.is_file() else None
-        results["error"] = (f"vllm serve: {said}; " if said else "") + " ".join(str(exc).split())[-1200:]
+        text = " ".join(str(exc).split()).replace(f"{project_root()}/", "")  # the logs' paths relative to the project
+        results["error"] = (f"vllm serve: {said}; " if said else "") + text[-1200:]
     return results
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from spectie.pages import and_list
 from spectie.record_types import Record
 from spectie.records import load_records, provenance_line, same_weights
 
@@ -99,8 +100,11 @@ def cells(records: list[Record]) -> list[dict]:
 
 def failed(records: list[Record]) -> list[str]:
     """The servers that did not start, with vLLM's error."""
+    import re
+
     return [f"{r.parameters.server} with prefix caching {'on' if r.parameters.prefix_caching else 'off'}: "
-            f"{r.results.error[:240]}" for r in records if r.results.error]
+            + re.sub(r"/\S*?/(_build/logs/)", r"\1", r.results.error)[:240]  # the log's path within the project
+            for r in records if r.results.error]
 
 
 def load_sentence(device: str, records: list[Record]) -> str:
@@ -182,14 +186,15 @@ def load_values(page) -> dict:
     records = [r for r in load_records(chapter="guidance", kind=KIND) if same_weights(r, page.model)]
     if not records:
         return {"load_text": NOT_RUN, "load_table": NOT_RUN, "load_speed_table": NOT_RUN, "load_failed": "—",
-                "load_provenance": "no record yet", "load_checklist": NOT_RUN}
+                "load_provenance": "no record yet", "load_checklist": NOT_RUN, "load_levels": "—"}
     devices = by_device(records)
     tables = {columns: pd.concat([device_table(short_device(rs[0]), rs, columns) for rs in devices.values()])
               for columns in (OUTCOMES, SPEED)}
     return {"load_text": "; ".join(load_sentence(d, rs) for d, rs in devices.items()),
             "load_table": tables[OUTCOMES].style, "load_speed_table": tables[SPEED].style,
             "load_failed": "; ".join(f for rs in devices.values() for f in failed(rs)) or "none",
-            "load_provenance": provenance_line(records), "load_checklist": checklist_text(records)}
+            "load_provenance": provenance_line(records), "load_checklist": checklist_text(records),
+            "load_levels": and_list([str(v) for v in sorted({v for r in records for v in r.parameters.levels or []})])}
 
 
 def is_gpu(record: Record) -> bool:

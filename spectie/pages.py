@@ -48,3 +48,10 @@ def capitalised(line: str) -> str:
     capital inside (vLLM) or an identifier (ngram_gpu)."""
     first = line.split(" ", 1)[0]
     return line if any(c.isupper() for c in first[1:]) or "_" in first else line[0].upper() + line[1:]
+
+
+def and_list(items: list[str]) -> str:
+    """"a", "a and b", "a, b and c"; "—" for none."""
+    if not items:
+        return "—"
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"

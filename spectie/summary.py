@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from spectie.environments import gpu_releases, incident_releases
-from spectie.pages import bullets, capitalised
+from spectie.pages import and_list, bullets, capitalised
 from spectie.record_types import Record
 from spectie.thresholds import REFERENCE_ID, Reference, reference
 
@@ -246,8 +246,7 @@ def gpu_matrix_runs(records: list[Record]) -> dict[tuple[str, str], list[Record]
     return dict(sorted(groups.items(), key=lambda item: (_version_key(item[1][0].fingerprint.vllm), item[0])))
 
 
-def _and(items: list[str]) -> str:
-    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+_and = and_list
 
 
 def _k_list(records: list[Record]) -> str:
