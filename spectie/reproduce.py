@@ -134,7 +134,8 @@ def side_by_side(reported: list[Record], measured: list[Record]) -> pd.DataFrame
     vLLM release the incident names sits directly under that release's last reported row; the others follow."""
     environments = load_environments()
     reported = [r for r in reported if r.kind == "engine-outcome"]
-    runs = measured_runs(first_prompt(measured))  # the incident's prompt; other prompts: seeds_rows
+    every = measured_runs(measured)
+    runs = measured_runs(first_prompt(measured))  # the incident's prompt; the others in the "all prompts" column
     released = [{release(environments[e]["vllm"].get("version")) for e in r.environments} for r in reported]
     last_of = {version: i for i, versions in enumerate(released) for version in versions if version}
 
@@ -145,16 +146,31 @@ def side_by_side(reported: list[Record], measured: list[Record]) -> pd.DataFrame
     def measured_row(r: Record) -> dict:
         return {"provenance": "measured", "where": where_label(r), "model": model_name(r),
                 "configuration": measured_label(r.parameters), "outcome": status_label(r.results),
-                "record": r.id}
+                "all prompts": across_prompts(every, r), "record": r.id}
 
     rows = []
     for i, r in enumerate(reported):
         rows.append({"provenance": "reported", "where": environment_label(r.environments, environments),
                      "model": "Qwen3.5 (the incident's)", "configuration": configuration_label(r.parameters),
-                     "outcome": outcome_label(r.results), "record": r.id})
+                     "outcome": outcome_label(r.results), "all prompts": "the incident's prompt only",
+                     "record": r.id})
         rows += [measured_row(m) for m in runs if under(m) == i]
     rows += [measured_row(m) for m in runs if under(m) is None]
     return pd.DataFrame(rows)
+
+
+def across_prompts(runs: list[Record], record: Record) -> str:
+    """What one configuration did over every prompt seed of its run (the side-by-side table shows the first):
+    on which seeds it stopped early, e.g. 'stopped on seeds 1, 5 of 8', or 'continued on all 8'."""
+    same = [r for r in runs
+            if run_key(r) == run_key(record) and r.parameters.configuration == record.parameters.configuration]
+    stopped = sorted(prompt_seed(r) for r in same if r.results.stopped_early)
+    failed = [r for r in same if r.results.status not in (None, "ok")]
+    if failed:
+        return f"{failed[0].results.status} on {len(failed)} of {len(same)}"
+    if not stopped:
+        return f"continued on all {len(same)}" if len(same) > 1 else "continued (one prompt)"
+    return f"stopped on seed{'s' if len(stopped) > 1 else ''} {', '.join(map(str, stopped))} of {len(same)}"
 
 
 def style_outcomes(table: pd.DataFrame, column: str = "outcome"):
