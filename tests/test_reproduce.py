@@ -667,13 +667,13 @@ def test_a_measured_run_of_a_release_the_incident_names_sits_under_its_reported_
     from spectie.records import load_records
     from spectie.reproduce import side_by_side
 
-    def run(env, vllm, configuration="plain"):
-        return typed({"id": f"{env}-{configuration}", "provenance": "measured", "kind": "engine-outcome",
-                "environments": [env], "started_at": "2026-12-05T00:00:00Z",
+    def run(env, vllm, configuration="plain", seed=0, stopped=False):
+        return typed({"id": f"{env}-{configuration}" + (f"-s{seed}" if seed else ""), "provenance": "measured",
+                "kind": "engine-outcome", "environments": [env], "started_at": "2026-12-05T00:00:00Z",
                 "fingerprint": {"host_id": env, "vllm": vllm, "vllm_platform": "cuda", "gpu": "NVIDIA H200"},
                 "parameters": {"configuration": configuration, "baseline": "plain", "matrix": "incident",
-                               "method": "none", "model": "organism", "prompt_seed": 0},
-                "results": {"status": "ok", "stopped_early": False, "repeats": []}})
+                               "method": "none", "model": "organism", "prompt_seed": seed, "prompt_seeds": 2},
+                "results": {"status": "ok", "stopped_early": stopped, "repeats": []}})
 
     reported = load_records(chapter="incident", kind="engine-outcome")
     measured = [run("v0.26.0-h200", "0.26.0"), run("v0.32.0-h200", "0.32.0"), run("cpu", "0.32.0+cpu"),
@@ -689,6 +689,14 @@ def test_a_measured_run_of_a_release_the_incident_names_sits_under_its_reported_
     others = [r for r in reported if "v0.32.0-rtx4090" not in r.environments]
     assert list(side_by_side(others, measured)["record"])[len(others):] == [
         "cpu-plain", "v0.26.0-h200-plain", "v0.32.0-h200-plain", "v0.32.0-h200-mtp-v2-k1"]
+    # The incident's prompt (seed 0) is the row; the other seeds of the same run are in its "all prompts" column.
+    seeds = measured + [run(e, v, c, seed=1, stopped=c == "mtp-v2-k1") for e, v, c in (
+        ("v0.26.0-h200", "0.26.0", "plain"), ("v0.32.0-h200", "0.32.0", "plain"), ("cpu", "0.32.0+cpu", "plain"),
+        ("v0.32.0-h200", "0.32.0", "mtp-v2-k1"))]
+    table = side_by_side(others, seeds).set_index("record")
+    assert table.loc["v0.32.0-h200-mtp-v2-k1", "all prompts"] == "stopped on seed 1 of 2"
+    assert table.loc["v0.32.0-h200-plain", "all prompts"] == "continued on all 2"
+    assert "v0.32.0-h200-mtp-v2-k1-s1" not in table.index
 
 
 def test_failed_probes_are_said_not_turned_into_facts():
