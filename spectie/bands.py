@@ -166,3 +166,27 @@ def calibration_text(points: list[dict], top1: float) -> str:
             f"{high['logit_std']:g} ({high['top1_median']:.1f}); there the band against fp32 runs from "
             f"{span('band')} logits, precision alone from {span('precision')} and the order of sums alone from "
             f"{span('order')} (a median over positions set against one position's logit: a rough calibration)")
+
+
+def bf16_order_text(margin: float, records: list[Record]) -> str:
+    """Where a margin falls against the bands of the order of sums alone (bf16 against bf16: what plain and
+    speculative decoding are), per model size recorded at the default logit spread, in a sentence; "" if none."""
+    points = [p for p in band_points([r for r in records if r.kind == "reduction-sweep"])
+              if p["dtype"] == "bfloat16" and not p["tf32"] and p["order"] is not None
+              and p["logit_std"] in (None, qwen_shapes.DEFAULT_LOGIT_STD)]
+    widest: dict[str, dict] = {}
+    for p in points:  # per model, its widest order band over kernels and devices
+        name = p["label"].split(" · ")[0]
+        if name not in widest or p["order"] > widest[name]["order"]:
+            widest[name] = p
+    if not widest:
+        return ""
+    ordered = sorted(widest.items(), key=lambda kv: kv[1]["model_parameters"])
+    inside = [name for name, p in ordered if margin <= p["order"]]
+    listed = "; ".join(f"{name}: {p['order']:.2f}" for name, p in ordered)
+    verdict = (f"a margin of {margin:.2f} lies inside the band of {', '.join(inside)}" if inside else
+               f"a margin of {margin:.2f} lies outside every one of them")
+    return (f"Plain and speculative decoding are both bf16, so the band that fits them is the order of sums alone "
+            f"(bf16 against bf16; measured, widest per model at the default logit spread: {listed} logits): "
+            f"{verdict}. The random-weight shapes' bands grow with the logit spread chosen for their weights, so "
+            "they do not settle Qwen3.5's own")

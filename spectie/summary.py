@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from spectie.bands import bf16_order_text
 from spectie.environments import gpu_releases, incident_releases
 from spectie.pages import and_list, bullets, capitalised
 from spectie.record_types import Record
@@ -173,6 +174,8 @@ def verdict(records: list[Record], environments: dict[str, dict]) -> Verdict:
     result.caveats += [divergence_sentence(row) for row in divergences if row["outside"]]
 
     result.tie_note = tie_note(ref, [row["threshold"] for row in divergences]) if ref is not None else ""
+    order = bf16_order_text(abs(ref.fp32), records) if result.tie_note else ""
+    result.tie_note += f" {order}." if order else ""  # bf16 against bf16, beside the fp32-against-bf16 swing
     result.strength, result.why_strength = _strength(result.answer, bool(trained), plain_stops, bool(mechanism),
                                                      ref is not None and ref.flipped)
     result.not_measured = _not_measured(records, environments, bool(measured_qwen))

@@ -179,6 +179,18 @@ def test_the_first_page_says_why_the_incidents_margin_is_a_tie(reported):
     assert summary.verdict(typed_all(agreeing), envs).tie_note == ""
 
 
+def test_the_tie_argument_reads_the_bf16_against_bf16_bands_it_fits():
+    """Plain and speculative decoding are both bf16: the sentence places a margin against the recorded bands of the
+    order of sums alone, and says inside or outside as the margin and the records say."""
+    from spectie.bands import bf16_order_text
+    from spectie.records import load_records
+
+    records = load_records(chapter="reduction_order")
+    assert "a margin of 0.67 lies outside every one of them" in bf16_order_text(0.67, records)
+    assert "a margin of 0.05 lies inside the band of" in bf16_order_text(0.05, records)
+    assert bf16_order_text(0.67, []) == ""
+
+
 def test_the_incidents_ngram_gpu_stop_is_read_against_the_ledger(reported):
     from spectie.fixes import ledger_record
 
