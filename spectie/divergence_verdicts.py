@@ -47,3 +47,45 @@ def same_rows(earlier: list[dict], now: list[dict]) -> bool:
     return len(earlier) == len(now) and all(
         row.keys() == other.keys() and all(close(row[k], other[k]) if k == "fp32_margin" else row[k] == other[k]
                                            for k in row) for row, other in zip(earlier, now))
+
+
+CASES_KIND = "classifier-cases"
+
+
+def write_case_scores(rows: list[dict], model: str, threshold: float, origin: str, environment: str,
+                      content_hash: str, started_at: str) -> Record:
+    """A measured record of the classifier on the labelled cases (sources/classifier_cases.json: truth known by
+    construction), one row per case with its class, truth, verdict and whether it was right; what the first page
+    says of the classifier's blind spots. An unchanged recomputation leaves the earlier record as it was."""
+    from spectie.fingerprint import host_id
+    from spectie.records import measured_path, measured_record, read_if_valid, read_record, write_record
+
+    parameters = {"model": model, "threshold": threshold, "threshold_origin": origin}
+    record = measured_record(
+        record_id=f"{CASES_KIND}-{environment}-{host_id()}".lower(), kind=CASES_KIND, chapter="guidance",
+        environment=environment, parameters=parameters, results={"rows": rows}, started_at=started_at,
+        title="The divergence classifier on labelled cases (near-ties and planted bugs, built on the organism)",
+        content_hash=content_hash, dtype="float32")
+    path = measured_path(record)
+    earlier = read_if_valid(path)
+    if earlier and earlier.parameters == VerdictParameters.from_dict(parameters) and same_rows(earlier.results.rows, rows):
+        return earlier
+    return read_record(write_record(record, path))
+
+
+def blind_spot(records: list[Record]) -> str:
+    """The planted bug classes the classifier missed on its labelled cases, as a caveat; "" where none is recorded
+    or it missed none. Read from this project's case records (the widest miss over hosts)."""
+    cases = [r for r in records if r.kind == CASES_KIND]
+    if not cases:
+        return ""
+    record = max(cases, key=lambda r: r.finished_at or "")
+    bugs = [row for row in record.results.rows if row["truth"] == "bug"]
+    missed = sorted({row["class"] for row in bugs if not row["right"]})
+    if not missed:
+        return ""
+    counts = ", ".join(f"{name} ({sum(not r['right'] for r in bugs if r['class'] == name)} of "
+                       f"{sum(r['class'] == name for r in bugs)})" for name in missed)
+    return (f"the classifier caught {sum(row['right'] for row in bugs)} of {len(bugs)} planted bugs on its labelled "
+            f"cases; it missed planted bugs of {counts}: a near-tie verdict does not rule out a bug of "
+            f"{'those classes' if len(missed) > 1 else 'that class'} (measured on the organism, record `{record.id}`)")

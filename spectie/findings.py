@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from spectie.pages import bullets
 from spectie.record_types import Record
-from spectie.summary import _and, gpu_matrix_runs
+from spectie.pages import and_list
+from spectie.summary import gpu_matrix_runs
 
 
 PATHS = (("none", "plain greedy"), ("mtp", "MTP"), ("ngram_gpu", "ngram_gpu"))
@@ -122,7 +123,7 @@ def findings_rows(records: list[Record]) -> list[dict]:
 
 def _releases(facts: list[dict]) -> str:
     """'0.26.0 (NVIDIA H200) and 0.31.0 (NVIDIA H100 80GB HBM3)'."""
-    return _and([f"{f['vllm']} ({f['gpu']})" for f in facts])
+    return and_list([f"{f['vllm']} ({f['gpu']})" for f in facts])
 
 
 def _stops_clause(stops: list[dict]) -> str:
@@ -133,7 +134,7 @@ def _stops_clause(stops: list[dict]) -> str:
     margins = sorted({m for s in stops for m in s["margins"]})
     often = (f"{early.pop()} of {repeats.pop()} repeats{' each' if len(stops) > 1 else ''}"
              if len(early) == 1 and len(repeats) == 1 else "in some repeats")
-    return (f"{_and(configurations)} on prompt seed{'s' if len(seeds) > 1 else ''} {_and(list(map(str, seeds)))} "
+    return (f"{and_list(configurations)} on prompt seed{'s' if len(seeds) > 1 else ''} {and_list(list(map(str, seeds)))} "
             f"({often}" + (f", the stop token ahead by {' or '.join(f'{m:g}' for m in margins)} logits" if margins
                            else "") + ")")
 
@@ -182,7 +183,7 @@ def path_verdicts(records: list[Record]) -> list[str]:
         clean = [f for f in mine if not f["parted"]]
         if clean:
             parts.append(f"on vLLM {_releases(clean)} it wrote plain greedy's tokens in every generation "
-                         f"({_and([str(f['generations']) for f in clean])} generations)")
+                         f"({and_list([str(f['generations']) for f in clean])} generations)")
         if not parts:
             parts.append(f"on vLLM {_releases(mine)} it never stopped earlier than plain greedy")
         said.append(f"**{label}**: " + "; ".join(parts))

@@ -244,6 +244,8 @@ def cases_values(page: Page, classify, ledger: dict) -> dict:
         "cases_threshold": page.threshold, "classifier_score": classifier_score_text(case_rows),
         "cases_table": cases.assign(right=cases["right"].map(yes_no)).style.format(precision=3).hide(axis="index")}
     started, content_hash = now(), current_hash("guidance")
+    divergence_verdicts.write_case_scores(case_rows, labelled["model"], page.threshold, page.origin, page.environment,
+                                          content_hash, started)
     here = divergence_cases.classify_cases(divergence_cases.recorded_pairs(page.runs), classifier=classify, progress=False)
     if here:
         divergence_verdicts.write_verdicts(here, page.runs, page.model, page.threshold, page.origin, page.environment,

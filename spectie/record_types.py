@@ -355,6 +355,7 @@ KINDS: dict[str, tuple[type[Fields], type[Fields]]] = {
     "server-probe": (ProbeParameters, ProbeResults),
     "pipeline-timings": (TimingParameters, TimingResults),
     "guard-load": (LoadParameters, LoadResults),
+    "classifier-cases": (VerdictParameters, VerdictRows),
 }
 
 

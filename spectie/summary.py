@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from spectie.bands import bf16_order_text
+from spectie.divergence_verdicts import blind_spot
 from spectie.environments import gpu_releases, incident_releases
 from spectie.pages import and_list, bullets, capitalised
 from spectie.record_types import Record
@@ -172,6 +173,7 @@ def verdict(records: list[Record], environments: dict[str, dict]) -> Verdict:
     result.because += [flip_sentence(curve) for curve in curves]
     result.because += [divergence_sentence(row) for row in mechanism if not row["outside"]]
     result.caveats += [divergence_sentence(row) for row in divergences if row["outside"]]
+    result.caveats += [said for said in [blind_spot(records)] if said]  # what a near-tie verdict cannot rule out
 
     result.tie_note = tie_note(ref, [row["threshold"] for row in divergences]) if ref is not None else ""
     order = bf16_order_text(abs(ref.fp32), records) if result.tie_note else ""
@@ -249,9 +251,6 @@ def gpu_matrix_runs(records: list[Record]) -> dict[tuple[str, str], list[Record]
     return dict(sorted(groups.items(), key=lambda item: (_version_key(item[1][0].fingerprint.vllm), item[0])))
 
 
-_and = and_list
-
-
 def _k_list(records: list[Record]) -> str:
     ks = sorted({r.parameters.num_speculative_tokens for r in records})
     return f"K = {', '.join(map(str, ks))}"
@@ -327,7 +326,7 @@ def gpu_finding_parts(records: list[Record], ledger: Record | None = None) -> li
         if mtp:
             stopped, never = early_stops(runs, "mtp")
             if stopped:
-                text = f"MTP stopped earlier than plain greedy in {_and(stopped)}"
+                text = f"MTP stopped earlier than plain greedy in {and_list(stopped)}"
                 text += f", and never in {', '.join(never)}" if never else ""
             else:
                 text = f"MTP ({_k_list(mtp)}) never stopped earlier than plain greedy"

@@ -282,3 +282,18 @@ def test_each_speculative_path_gets_its_own_verdict_and_it_turns_with_the_record
     assert "correctness bug" not in ngram
     assert ("on vLLM 0.26.0 (NVIDIA H200) and 0.31.0 (NVIDIA H100 80GB HBM3), ngram_gpu-k6 and ngram_gpu-k7 on prompt "
             "seed 5") in ngram and "tie or bug is not settled" in ngram
+
+
+def test_the_classifiers_blind_spot_is_said_from_its_labelled_cases():
+    from spectie.divergence_verdicts import CASES_KIND, blind_spot
+
+    def cases(rows):
+        return typed({"id": "classifier-cases-cpu-x", "kind": CASES_KIND, "chapter": "guidance",
+                      "finished_at": "2026-12-07T00:00:00+00:00", "parameters": {"model": "organism", "threshold": 0.1},
+                      "results": {"rows": [{"class": c, "truth": t, "right": ok} for c, t, ok in rows]}})
+
+    said = blind_spot([cases([("lost state", "bug", False), ("lost state", "bug", False), ("gate", "bug", True),
+                              ("designed tie", "near-tie", True)])])
+    assert said.startswith("the classifier caught 1 of 3 planted bugs") and "missed planted bugs of lost state (2 of 2):" in said
+    assert "record `classifier-cases-cpu-x`" in said
+    assert blind_spot([cases([("gate", "bug", True)])]) == "" and blind_spot([]) == ""
