@@ -244,7 +244,7 @@ def probe_sentence(records: list[Record]) -> str:
     from spectie.serve_probe import COMMAND, died_on_one_token
 
     if not records:
-        return (f"Whether vllm serve survives a one-token prompt has not been measured yet: `{COMMAND}` measures it "
+        return (f"Whether vllm serve survives a one-token prompt has not been measured yet: {COMMAND} measures it "
                 "on a host")
     said = []
     for record in sorted(records, key=lambda r: (r.fingerprint.cpu, r.fingerprint.host_id)):
@@ -259,6 +259,6 @@ def probe_sentence(records: list[Record]) -> str:
         error = servers[died[0]]["log_error"]
         said.append(f"{where} answered two tokens, but a one-token prompt ended the server ({', '.join(died)} of "
                     f"{', '.join(servers)}): HTTP {one['status'] or 'no answer'}, then no answer to any request"
-                    + (f"; its log: `{error}`" if error else ""))
+                    + (f"; its log: {error}" if error else ""))
     return ("A one-token prompt is a hazard of the server, not of the guard, which never sends one of its own (its "
-            "probe is two tokens): " + "; ".join(said) + f" (`{COMMAND}` re-runs it)")
+            "probe is two tokens): " + "; ".join(said) + f" ({COMMAND} re-runs it)")  # glued as text: no Markdown
