@@ -171,8 +171,9 @@ def verdict(records: list[Record], environments: dict[str, dict]) -> Verdict:
                               else "the reported plain-greedy run does not stop at the same position "
                                    "(reported, record `b200-plain-greedy`)")
     result.because += [flip_sentence(curve) for curve in curves]
-    result.because += [divergence_sentence(row) for row in mechanism if not row["outside"]]
-    result.caveats += [divergence_sentence(row) for row in divergences if row["outside"]]
+    # One line per engine environment, however many hosts' verdict records classified its divergences alike.
+    result.because += dict.fromkeys(divergence_sentence(row) for row in mechanism if not row["outside"])
+    result.caveats += dict.fromkeys(divergence_sentence(row) for row in divergences if row["outside"])
     result.caveats += [said for said in [blind_spot(records)] if said]  # what a near-tie verdict cannot rule out
 
     result.tie_note = tie_note(ref, [row["threshold"] for row in divergences]) if ref is not None else ""

@@ -297,3 +297,12 @@ def test_the_classifiers_blind_spot_is_said_from_its_labelled_cases():
     assert said.startswith("the classifier caught 1 of 3 planted bugs") and "missed planted bugs of lost state (2 of 2):" in said
     assert "record `classifier-cases-cpu-x`" in said
     assert blind_spot([cases([("gate", "bug", True)])]) == "" and blind_spot([]) == ""
+
+
+def test_one_reason_per_engine_environment_however_many_hosts_classified_it(reported):
+    first = verdicts_record({"mtp": [(Verdict.NEAR_TIE.label, 0.0)] * 3})
+    second = copy.deepcopy(first)
+    second["id"], second["fingerprint"]["host_id"] = "divergence-verdicts-v0-26-0-h200-y", "y"
+    because = summary.verdict(typed_all(reported + [first, second]), load_environments()).because
+    assert sum("Speculation by mtp through vLLM 0.26.0" in line or "speculation by mtp through vLLM 0.26.0" in line
+               for line in because) == 1
