@@ -15,7 +15,7 @@ def write_verdicts(rows: list[dict], engine_records: list[Record], model: str, t
     rows of `classify_cases` on its `recorded_pairs`): computed on this host, about the engine outputs of
     `engine_records`' environment, with the band used. The summary reads it instead of classifying again."""
     from spectie.fingerprint import host_id
-    from spectie.records import measured_path, measured_record, read_if_valid, read_record, write_record
+    from spectie.records import measured_record
 
     source = engine_records[0]
     parameters = {"model": model, "engine_environment": source.environment,
@@ -27,10 +27,18 @@ def write_verdicts(rows: list[dict], engine_records: list[Record], model: str, t
         chapter="guidance", environment=environment, parameters=parameters,
         title=f"Classifier verdicts on vLLM {parameters['engine_vllm']}'s divergences ({parameters['engine_environment']})",
         results={"rows": verdicts}, started_at=started_at, content_hash=content_hash, dtype="float32")
+    return kept_or_written(record)
+
+
+def kept_or_written(record: dict) -> Record:
+    """The record written, unless its path already holds the same verdicts on the same divergences with the same
+    band: that one stands, unchanged."""
+    from spectie.records import measured_path, read_if_valid, read_record, write_record
+
     path = measured_path(record)
-    earlier = read_if_valid(path)  # the same verdicts on the same divergences with the same band: it stands, unchanged
-    if earlier and earlier.parameters == VerdictParameters.from_dict(parameters) \
-            and same_rows(earlier.results.rows, verdicts):
+    earlier = read_if_valid(path)
+    if earlier and earlier.parameters == VerdictParameters.from_dict(record["parameters"]) \
+            and same_rows(earlier.results.rows, record["results"]["rows"]):
         return earlier
     return read_record(write_record(record, path))
 
@@ -58,7 +66,7 @@ def write_case_scores(rows: list[dict], model: str, threshold: float, origin: st
     construction), one row per case with its class, truth, verdict and whether it was right; what the first page
     says of the classifier's blind spots. An unchanged recomputation leaves the earlier record as it was."""
     from spectie.fingerprint import host_id
-    from spectie.records import measured_path, measured_record, read_if_valid, read_record, write_record
+    from spectie.records import measured_record
 
     parameters = {"model": model, "threshold": threshold, "threshold_origin": origin}
     record = measured_record(
@@ -66,11 +74,7 @@ def write_case_scores(rows: list[dict], model: str, threshold: float, origin: st
         environment=environment, parameters=parameters, results={"rows": rows}, started_at=started_at,
         title="The divergence classifier on labelled cases (near-ties and planted bugs, built on the organism)",
         content_hash=content_hash, dtype="float32")
-    path = measured_path(record)
-    earlier = read_if_valid(path)
-    if earlier and earlier.parameters == VerdictParameters.from_dict(parameters) and same_rows(earlier.results.rows, rows):
-        return earlier
-    return read_record(write_record(record, path))
+    return kept_or_written(record)
 
 
 def blind_spot(records: list[Record]) -> str:

@@ -7,9 +7,8 @@ the reproduce matrix's records and the classifier's verdict records, over the sc
 
 from __future__ import annotations
 
-from spectie.pages import bullets
+from spectie.pages import and_list, bullets
 from spectie.record_types import Record
-from spectie.pages import and_list
 from spectie.summary import gpu_matrix_runs
 
 

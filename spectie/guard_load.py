@@ -10,7 +10,7 @@ Two workloads per level:
 Every request is recorded (how it ended, a digest of its tokens, its stop's margin, the guard's resumes and extra
 requests, its seconds, any error), and every batch (its wall time and tokens). One record per environment, host,
 server and prefix-caching setting; what load changed is computed from the records (`spectie.guard_load_page`).
-Requests go to 127.0.0.1 only, bounded in count (`requests_per_batch`) and time (`batch_seconds`).
+Requests go to 127.0.0.1 only, bounded in count (the plan: `batches`) and time (BATCH_SECONDS a batch).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ SERVERS = {"plain": None,
            "mtp-k8": {"method": "mtp", "num_speculative_tokens": 8}}
 LEVELS = (1, 8, 64)
 ROUTES = ("straight", "guarded")
-WORKLOADS = ("distinct", "copies")
 BATCH_SECONDS = 600  # a batch still running after this is cut off: its unanswered requests are recorded as such
 SOURCES = ("spectie/guard.py", "spectie/guard_proxy.py", "spectie/guard_measure.py", "spectie/guard_load.py",
            "spectie/prompts.py", "spectie/tiestop.py", "spectie/thresholds.py", "spectie/survey.py")

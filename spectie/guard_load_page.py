@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from spectie.guard_load import KIND
 from spectie.pages import and_list
 from spectie.record_types import Record
 from spectie.records import load_records, provenance_line, same_weights
 
-KIND = "guard-load"
 NOT_RUN = ("not run yet for this model: make run CHAPTER=guidance ENV=cpu PARAMS=environments/runs/cpu-guard-load.yaml "
            "runs it on the CPU build, and PARAMS=environments/runs/v0.32.0-h100-guard-load.yaml with ENV=v0.32.0-h100 "
            "on an H100 or H200")  # glued as text: no Markdown
