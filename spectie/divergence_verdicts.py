@@ -33,14 +33,12 @@ def write_verdicts(rows: list[dict], engine_records: list[Record], model: str, t
 def kept_or_written(record: dict) -> Record:
     """The record written, unless its path already holds the same verdicts on the same divergences with the same
     band: that one stands, unchanged."""
-    from spectie.records import measured_path, read_if_valid, read_record, write_record
+    from spectie.records import kept_on_this_device, measured_path, read_record, write_record
 
     path = measured_path(record)
-    earlier = read_if_valid(path)
-    if earlier and earlier.parameters == VerdictParameters.from_dict(record["parameters"]) \
-            and same_rows(earlier.results.rows, record["results"]["rows"]):
-        return earlier
-    return read_record(write_record(record, path))
+    earlier = kept_on_this_device(path, lambda r: r.parameters == VerdictParameters.from_dict(record["parameters"])
+                                  and same_rows(r.results.rows, record["results"]["rows"]))
+    return earlier or read_record(write_record(record, path))
 
 
 MARGIN_TOLERANCE = 1e-4  # logits: fp32 margins move in the 6th decimal with the CPU thread count, nothing else does

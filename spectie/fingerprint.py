@@ -77,6 +77,16 @@ def device(hardware: dict) -> dict:
     return {"cpu": hardware["cpu"], "cpu_flags": hardware["cpu_flags"], "gpus": [name for name, _ in hardware["gpus"]]}
 
 
+def same_device(fingerprint) -> bool:
+    """Whether a record's fingerprint names this machine's device: the same CPU model, ISA flags and GPU models
+    (what a measurement's key holds, `device`; the GPUs named as `environment_fingerprint` names them)."""
+    here = _this_hardware()
+    names = [name for name, _ in here["gpus"]]
+    gpu = _gpu([Gpu(name, "", "", 0, 0) for name in names])[0]
+    return (fingerprint.cpu, list(fingerprint.cpu_flags or []), fingerprint.gpu) == (here["cpu"], here["cpu_flags"], gpu) \
+        and fingerprint.cpu_flags is not None
+
+
 def _machine_seed() -> str:
     try:
         seed = Path("/etc/machine-id").read_text().strip()

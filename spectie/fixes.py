@@ -206,14 +206,12 @@ def installed_version() -> tuple[str | None, str | None]:
 def ensure_record(results_dir: str | Path | None = None) -> Record:
     """The ledger's record on this machine: the one under results/ if it was made from the committed ledger
     as it is now (same sha256), else a new one, written there."""
-    from spectie.records import measured_path, read_if_valid, read_record, write_record
+    from spectie.records import kept_on_this_device, measured_path, read_record, write_record
 
     record = ledger_record()
     path = measured_path(record.stored, results_dir)
-    existing = read_if_valid(path)
-    if existing and existing.parameters.source_sha256 == record.parameters.source_sha256:
-        return existing
-    return read_record(write_record(record.stored, path))
+    existing = kept_on_this_device(path, lambda r: r.parameters.source_sha256 == record.parameters.source_sha256)
+    return existing or read_record(write_record(record.stored, path))
 
 
 def measured_releases() -> set[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import re
 import tempfile
 from functools import lru_cache
 from pathlib import Path
@@ -143,12 +144,68 @@ def read_if_valid(path: str | os.PathLike) -> Record | None:
 
 
 def recorded_measurement(path: str | os.PathLike, key: str) -> Record | None:
-    """The record at `path` if it holds the measurement `key` names (`fingerprint.measurement_key`) and finished:
-    what a build reuses instead of measuring again. None if there is none, it is unreadable, or it holds another."""
-    record = read_if_valid(path)
-    if record is None or record.parameters.measurement_key != key:
-        return None
-    return None if getattr(record.results, "status", None) == "interrupted" else record
+    """The finished record holding the measurement `key` names (`fingerprint.measurement_key`): this host's at
+    `path`, else the same measurement by another host of the environment (`twin_paths`). The key holds the device
+    (CPU model and ISA flags, GPU models), so another host's record matches only where its hardware is this one's:
+    a new machine of identical hardware measures nothing again, and the record it reuses names the host that made
+    it. None where no record holds the key (none, unreadable, another measurement, or interrupted)."""
+    for candidate in (Path(path), *twin_paths(path)):
+        record = read_if_valid(candidate)
+        if record is not None and record.parameters.measurement_key == key \
+                and getattr(record.results, "status", None) != "interrupted":
+            return record
+    return None
+
+
+HOST_ID_PATTERN = re.compile(r"[0-9a-f]{12}")
+
+
+def twin_paths(path: str | os.PathLike) -> list[Path]:
+    """The record at `path` (results/measured/<environment>-<host id>/<chapter>/<id>.json) as other hosts of the
+    same environment would have stored it: their host id in place of this one's, in the folder and in the id.
+    Only the files that exist, in the hosts' name order."""
+    path = Path(path)
+    folder = path.parent.parent
+    environment, _, host = folder.name.rpartition("-")
+    if not HOST_ID_PATTERN.fullmatch(host):
+        return []
+    found = []
+    for other in sorted(folder.parent.glob(f"{environment}-*")):
+        other_environment, _, other_host = other.name.rpartition("-")
+        candidate = other / path.parent.name / path.name.replace(host, other_host)
+        if other_environment == environment and other_host != host and HOST_ID_PATTERN.fullmatch(other_host) \
+                and candidate.is_file():
+            found.append(candidate)
+    return found
+
+
+def kept_on_this_device(path: str | os.PathLike, same) -> Record | None:
+    """A record to keep instead of writing one at `path`: this host's there, else another host's of identical
+    hardware (`twin_paths`, `fingerprint.same_device`), where `same(record)` says it holds what would be written."""
+    from spectie.fingerprint import same_device
+
+    for candidate in (Path(path), *twin_paths(path)):
+        record = read_if_valid(candidate)
+        if record is not None and (candidate == Path(path) or same_device(record.fingerprint)) and same(record):
+            return record
+    return None
+
+
+def standing_hosts(environment: str, results_dir: str | os.PathLike | None = None) -> list[str]:
+    """The hosts whose records of `environment` stand for this machine: this host, then every other host whose
+    records were made on identical hardware (`fingerprint.same_device`): what a build here reuses."""
+    from spectie.fingerprint import host_id, same_device
+
+    results_dir = Path(results_dir) if results_dir else project_root() / "results"
+    hosts = [host_id()]
+    for folder in sorted((results_dir / "measured").glob(f"{environment}-*")):
+        name, _, host = folder.name.rpartition("-")
+        if name != environment or host in hosts or not HOST_ID_PATTERN.fullmatch(host):
+            continue
+        record = next(filter(None, map(read_if_valid, sorted(folder.rglob(f"*{RECORD_SUFFIX}")))), None)
+        if record is not None and record.fingerprint and same_device(record.fingerprint):
+            hosts.append(host)
+    return hosts
 
 
 def record_paths(results_dir: str | os.PathLike | None = None, chapter: str | None = None,

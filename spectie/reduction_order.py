@@ -411,20 +411,21 @@ SOURCES = ("spectie/reduction_order.py", "spectie/model.py", "spectie/qwen_shape
 def run(model: str, device: str, environment: str, dtypes: list[str], shapes: list[str], kernels: list[str],
         tf32: list[bool], prompt_tokens: int, prompt_seed: int, new_tokens: int, weights_seed: int,
         logit_std: float) -> Record:
-    """The chapter's sweep on this host, as a record: an earlier record of this host holding the same measurement
-    (weights, parameters, library versions and code), or a new sweep, written before it is returned. Every
+    """The chapter's sweep on this host, as a record: an earlier record of this host (or of a host of identical
+    hardware) holding the same measurement (weights, parameters, library versions, code and device), or a new sweep, written before it is returned. Every
     parameter is checked before any model loads."""
-    from spectie.fingerprint import environment_fingerprint, host_id, measurement_key, now
+    from spectie.fingerprint import environment_fingerprint, measurement_key, now
     from spectie.paths import project_root
-    from spectie.records import measured_path, read_record, recorded_measurement, write_record
+    from spectie.records import measured_path, read_record, recorded_measurement, standing_hosts, write_record
 
     check_plan(device, dtypes, shapes, kernels, tf32, model)
     parameters = {"model": model, "device": device, "dtypes": dtypes, "shapes": shapes, "kernels": kernels,
                   "tf32": tf32, "prompt_tokens": prompt_tokens, "prompt_seed": prompt_seed, "new_tokens": new_tokens,
                   "reference_dtype": "float32", "weights_seed": weights_seed, "logit_std": logit_std}
     key = measurement_key("reduction-sweep", model, parameters, SOURCES)
-    here = project_root() / "results" / "measured" / f"{environment}-{host_id()}" / "reduction_order"
-    for path in sorted(here.glob("*.json")):
+    measured = project_root() / "results" / "measured"
+    hosts = [measured / f"{environment}-{host}" / "reduction_order" for host in standing_hosts(environment)]
+    for path in (path for folder in hosts for path in sorted(folder.glob("*.json"))):  # the key holds the device
         if (earlier := recorded_measurement(path, key)) is not None:
             return earlier
     started_at = now()

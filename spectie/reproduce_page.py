@@ -199,12 +199,14 @@ def run_summary(records: list[Record], decisive_output_token: int, pieces) -> st
 
 def one_run(records: list[Record], environment: str) -> list[Record]:
     """The runs of one matrix run in `environment`, on its first prompt: this host's if it made any (what
-    the build just ran), else the first recorded host's; of a host's runs, the unsplit one with the most repeats
+    the build just ran), else those of a host of identical hardware (what the build reused), else the first
+    recorded host's; of a host's runs, the unsplit one with the most repeats
     (the build's). Runs of several hosts, prompts or splits are never mixed."""
-    from spectie.fingerprint import host_id
+    from spectie.records import standing_hosts
 
     mine = [r for r in records if r.environment == environment]
-    hosts = sorted({r.fingerprint.host_id for r in mine}, key=lambda h: h != host_id())
+    ours = standing_hosts(environment)  # this host, then hosts of identical hardware (whose runs a build here reuses)
+    hosts = sorted({r.fingerprint.host_id for r in mine}, key=lambda h: (ours.index(h) if h in ours else len(ours), h))
     mine = [r for r in mine if hosts and r.fingerprint.host_id == hosts[0]]
     runs: dict[RunKey, list[Record]] = {}
     for r in mine:

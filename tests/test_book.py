@@ -6,8 +6,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from conftest import ROOT, make, stale_chapters
-from spectie.fingerprint import host_id
+from conftest import ROOT, make, own_records, stale_chapters
 from spectie.organism import pinned_digest
 from spectie.records import read_record
 
@@ -57,7 +56,7 @@ def test_the_margins_chapter_ran_the_organism_and_wrote_measured_records(built):
                      "The designed decision, prompt by prompt", "is a tie by design"):
         assert expected in text, expected
     assert re.search(r"\d+ of 16 fp\d+ margins lie inside the band", text)
-    records = sorted((root / "results" / "measured").glob(f"cpu-{host_id()}/margins/*.json"))
+    records = own_records(root, "margins/*.json")
     assert [p.name.split("-")[2] for p in records] == ["decisions", "decisive", "flips", "scan"]
     for path in records:
         record = read_record(path)
@@ -74,8 +73,7 @@ def test_the_reproduce_chapter_ran_vllm_on_the_organism(built):
     for expected in ("What ran here by default is not the incident", "vLLM 0.32.0 ( cpu )",
                      "Reported and measured, side by side", "reported", "measured", "What this backend could not run"):
         assert expected in text, expected
-    records = {r.parameters.configuration: r for r in map(read_record, (root / "results" / "measured").glob(
-        f"cpu-{host_id()}/reproduce/*.json")) if r.parameters.prompt_seeds == 1 and r.parameters.tensor_parallel_size == 1}  # the build's run
+    records = {r.parameters.configuration: r for r in map(read_record, own_records(root, "reproduce/*.json")) if r.parameters.prompt_seeds == 1 and r.parameters.tensor_parallel_size == 1}  # the build's run
     assert {"plain", "mtp-k1", "mtp-k3", "mtp-k8", "ngram", "ngram_gpu"} <= set(records)
     for name in ("plain", "mtp-k1", "mtp-k3"):
         results = records[name].results
@@ -99,7 +97,7 @@ def test_the_reduction_order_chapter_ran_the_organism_and_shows_the_h200_shapes(
     for expected in ("This run computed organism", "qwen3.5-9b-shape (random weights)", "NVIDIA H200",
                      "What the scans cost", "random-weight shape"):
         assert expected in text, expected
-    [path] = (root / "results" / "measured").glob(f"cpu-{host_id()}/reduction_order/reduction-order-cpu-organism-*.json")
+    [path] = own_records(root, "reduction_order/reduction-order-cpu-organism-*.json")
     record = read_record(path)
     assert record.kind == "reduction-sweep" and record.results.weights["kind"] == "trained checkpoint"
     assert {row["shape"] for row in record.results.rows} >= {"full", "decode", "verify-7", "batch-4"}
@@ -121,12 +119,12 @@ def test_the_guidance_chapter_backs_each_workaround_with_records(built):
     assert re.search(r"The detector flagged \d+ of \d+ (\(\d+%\)|\(too few for a rate\) )?ordinary stops", text)
     assert re.search(r"it caught \d+ of \d+ \(\d+%\) truncations planted at near-ties and \d+ of \d+ \(\d+%\) planted "
                      r"at confident positions", text)
-    [path] = (root / "results" / "measured").glob(f"cpu-{host_id()}/guidance/tiestop-injection-cpu-*.json")
+    [path] = own_records(root, "guidance/tiestop-injection-cpu-*.json")
     assert read_record(path).parameters.new_tokens == 200
     # The guard through vllm serve: the page says what this host's record of the build says.
     from spectie import guidance_survey
 
-    [path] = (root / "results" / "measured").glob(f"cpu-{host_id()}/guidance/guard-survey-cpu-*.json")
+    [path] = own_records(root, "guidance/guard-survey-cpu-*.json")
     record = read_record(path)
     sentence = re.sub(r"\s+", " ", guidance_survey.guard_sentence(record).replace("`", ""))
     assert sentence in text.replace("’", "'"), sentence
@@ -146,7 +144,7 @@ def test_the_first_page_gives_the_answer_from_the_records(built):
         assert expected.lower() in text.lower(), expected
     assert re.search(r"Strength of the evidence: (strong|moderate|weak)", text)
     # The H200's real CUDA vLLM divergences, classified by this build's guidance chapter and kept as records.
-    verdicts = sorted((root / "results" / "measured").glob(f"cpu-{host_id()}/guidance/divergence-verdicts-*.json"))
+    verdicts = own_records(root, "guidance/divergence-verdicts-*.json")
     assert {json.loads(p.read_text())["parameters"]["engine_environment"] for p in verdicts} >= {"v0.26.0-h200",
                                                                                                  "v0.32.0-h100"}
     assert "through vLLM 0.26.0 (NVIDIA H200, v0.26.0-h200)" in text

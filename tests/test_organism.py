@@ -13,6 +13,7 @@ from spectie.fingerprint import model_digest
 from spectie.model import greedy_generate
 from spectie.organism import VOCAB_SIZE, organism_dir, pinned_digest, read_pin
 from spectie.prompts import CHECKPOINT, PromptSpec, build_prompt, prompt_set
+from conftest import own_records
 from spectie.tokenizer import load_tokenizer
 
 EOS, DATA = 248044, 17247
@@ -104,10 +105,9 @@ def test_the_designed_tie_on_the_pinned_weights(built, setup):
     among them. At 1845 tokens fp32 prefers DATA in all 16 prompts and bf16 rounds them to ties that argmax
     gives to DATA (read from the margins chapter's record of these weights, which the build wrote); at 256 tokens
     bf16 picks the other token than fp32 in some prompts (seed 5; computed here)."""
-    from spectie.fingerprint import host_id
     from spectie.records import read_record
 
-    [path] = (built[0] / "results" / "measured").glob(f"cpu-{host_id()}/margins/margins-cpu-decisions-*.json")
+    [path] = own_records(built[0], "margins/margins-cpu-decisions-*.json")
     record = read_record(path)
     assert record.fingerprint.model_sha256 == pinned_digest() and record.parameters.model == "organism"
     assert [row["seed"] for row in record.results.rows] == [spec.seed for spec in prompt_set(16, 1845)]

@@ -366,3 +366,37 @@ def test_a_machines_records_from_before_the_hardware_counted_give_way_to_its_new
     other_measurement = made("margins-cpu-flips-a1b2c3d4e5f6", "a1b2c3d4e5f6", "AMD EPYC 9R14", ["avx2"],
                              "0035969ec53f")
     assert superseded([old_amd, other_measurement]) == set()
+
+
+def test_a_new_machine_of_identical_hardware_reuses_its_twins_measurements(tmp_path, measured_record, monkeypatch):
+    """A host new to the records measures nothing that a host of identical hardware (CPU model, ISA flags, GPU
+    models) recorded with the same key, and the record it reuses names the host that made it. A host of other
+    hardware stands for nothing here, and a record of another key is another measurement."""
+    from spectie import fingerprint
+    from spectie.records import (kept_on_this_device, recorded_measurement, standing_hosts, twin_paths,
+                                 write_record)
+
+    here = {"cpu": "Intel(R) Xeon(R) Processor", "cpu_flags": ["avx2", "amx_bf16"], "gpus": []}
+    monkeypatch.setattr(fingerprint, "_this_hardware", lambda: here)
+    monkeypatch.setattr(fingerprint, "host_id", lambda: "aaaaaaaaaaaa")
+
+    def made(host, cpu, key):
+        record = {**measured_record, "id": f"margins-cpu-scan-{host}",
+                  "parameters": {**measured_record["parameters"], "measurement_key": key},
+                  "fingerprint": {**measured_record["fingerprint"], "host_id": host, "cpu": cpu,
+                                  "cpu_flags": here["cpu_flags"], "gpu": None}}
+        return write_record(record, tmp_path / "measured" / f"cpu-{host}" / "margins" / f"{record['id']}.json")
+
+    twin = made("bbbbbbbbbbbb", here["cpu"], "key-here")
+    made("cccccccccccc", "AMD EPYC 9R14", "key-amd")
+    own = tmp_path / "measured" / "cpu-aaaaaaaaaaaa" / "margins" / "margins-cpu-scan-aaaaaaaaaaaa.json"
+    assert [p.parent.parent.name for p in twin_paths(own)] == ["cpu-bbbbbbbbbbbb", "cpu-cccccccccccc"]
+    reused = recorded_measurement(own, "key-here")
+    assert reused is not None and reused.fingerprint.host_id == "bbbbbbbbbbbb"
+    assert recorded_measurement(own, "key-other") is None
+    assert recorded_measurement(own, "key-amd").fingerprint.host_id == "cccccccccccc"  # the key alone decides
+    assert standing_hosts("cpu", tmp_path) == ["aaaaaaaaaaaa", "bbbbbbbbbbbb"]
+    assert kept_on_this_device(own, lambda r: True).fingerprint.host_id == "bbbbbbbbbbbb"
+    assert kept_on_this_device(own, lambda r: r.fingerprint.cpu.startswith("AMD")) is None  # other hardware
+    twin.unlink()
+    assert standing_hosts("cpu", tmp_path) == ["aaaaaaaaaaaa"] and recorded_measurement(own, "key-here") is None
