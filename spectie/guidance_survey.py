@@ -11,7 +11,7 @@ from __future__ import annotations
 from spectie import survey
 from spectie.guidance import MIN_FOR_RATE, Page, plural, rate_text
 from spectie.record_types import Record
-from spectie.records import load_records, provenance_line, same_weights
+from spectie.records import load_records, provenance_line, same_weights, standing_first
 
 NO_SURVEY = "No tie-stop survey is recorded for this model."
 
@@ -82,7 +82,7 @@ def survey_values(page: Page) -> dict:
     from spectie.incident import fp32_row
 
     recorded = surveys(page)
-    main = survey.this_hosts(recorded, page.environment)
+    main = survey.this_hosts(standing_first(recorded, page.environment), page.environment)
     counts = survey.tally(main, page.tie_threshold) if main else {}
     resolution, smallest = counts.get("margin_resolution"), counts.get("ordinary_margin_min")
     lengths = sorted({n for r in recorded for n in r.parameters.prompt_lengths})
@@ -120,9 +120,10 @@ def injection_values(page: Page) -> dict:
     from spectie import plots
     from spectie.thresholds import reported_swing
 
-    main = survey.this_hosts(surveys(page), page.environment)
+    main = survey.this_hosts(standing_first(surveys(page), page.environment), page.environment)
     injections = load_records(chapter=survey.CHAPTER, kind=survey.INJECTION_KIND)
-    injection = survey.this_hosts([r for r in injections if same_weights(r, page.model)], page.environment)
+    ours = [r for r in injections if same_weights(r, page.model)]
+    injection = survey.this_hosts(standing_first(ours, page.environment), page.environment)
     swing, _ = reported_swing()
     curve = survey.detector_curve(main, injection, sorted({*np.geomspace(0.01, 30, 80).tolist(), page.tie_threshold,
                                                            swing}))
@@ -144,7 +145,7 @@ def injection_values(page: Page) -> dict:
 def guard_values(page: Page) -> dict:
     """The glue values of the guard section: this host's guard survey in words, and where every one came from."""
     records = [r for r in load_records(chapter=survey.CHAPTER, kind="guard-survey") if same_weights(r, page.model)]
-    return {"guard_text": guard_sentence(survey.this_hosts(records, page.environment)),
+    return {"guard_text": guard_sentence(survey.this_hosts(standing_first(records, page.environment), page.environment)),
             "guard_provenance": provenance_line(records) if records else "no record yet"}
 
 

@@ -208,6 +208,15 @@ def standing_hosts(environment: str, results_dir: str | os.PathLike | None = Non
     return hosts
 
 
+def standing_first(records: list[Record], environment: str) -> list[Record]:
+    """`records`, those of the hosts standing for this machine in `environment` first (`standing_hosts`: this
+    host's, then those of hosts of identical hardware), the rest after them in their order."""
+    ours = standing_hosts(environment)
+    rank = {host: i for i, host in enumerate(ours)}
+    return sorted(records, key=lambda r: rank.get(r.fingerprint.host_id if r.fingerprint else None, len(ours))
+                  if r.environment == environment else len(ours))
+
+
 def record_paths(results_dir: str | os.PathLike | None = None, chapter: str | None = None,
                  provenance: str | None = None) -> list[Path]:
     """Every record file under results/ (temporary files of interrupted writes are not records), or only those of

@@ -412,8 +412,8 @@ def run(model: str, device: str, environment: str, dtypes: list[str], shapes: li
         tf32: list[bool], prompt_tokens: int, prompt_seed: int, new_tokens: int, weights_seed: int,
         logit_std: float) -> Record:
     """The chapter's sweep on this host, as a record: an earlier record of this host (or of a host of identical
-    hardware) holding the same measurement (weights, parameters, library versions, code and device), or a new sweep, written before it is returned. Every
-    parameter is checked before any model loads."""
+    hardware) holding the same measurement (weights, parameters, library versions, code and device), or a new
+    sweep, written before it is returned. Every parameter is checked before any model loads."""
     from spectie.fingerprint import environment_fingerprint, measurement_key, now
     from spectie.paths import project_root
     from spectie.records import measured_path, read_record, recorded_measurement, standing_hosts, write_record

@@ -202,12 +202,10 @@ def one_run(records: list[Record], environment: str) -> list[Record]:
     the build just ran), else those of a host of identical hardware (what the build reused), else the first
     recorded host's; of a host's runs, the unsplit one with the most repeats
     (the build's). Runs of several hosts, prompts or splits are never mixed."""
-    from spectie.records import standing_hosts
+    from spectie.records import standing_first
 
-    mine = [r for r in records if r.environment == environment]
-    ours = standing_hosts(environment)  # this host, then hosts of identical hardware (whose runs a build here reuses)
-    hosts = sorted({r.fingerprint.host_id for r in mine}, key=lambda h: (ours.index(h) if h in ours else len(ours), h))
-    mine = [r for r in mine if hosts and r.fingerprint.host_id == hosts[0]]
+    mine = standing_first([r for r in records if r.environment == environment], environment)
+    mine = [r for r in mine if r.fingerprint.host_id == mine[0].fingerprint.host_id]
     runs: dict[RunKey, list[Record]] = {}
     for r in mine:
         runs.setdefault(run_key(r), []).append(r)

@@ -357,15 +357,12 @@ def check_new_tokens(new_tokens) -> int:
 
 
 def this_hosts(records: list[Record], environment: str) -> Record | None:
-    """The record this host made for `environment`, else one a host of identical hardware made (what a build here
-    reuses), else the first of `records` (None if there is none)."""
-    from spectie.records import standing_hosts
+    """The record this host made for `environment`, else the first of `records` (None if there is none)."""
+    from spectie.fingerprint import host_id
 
-    ours = [r for r in records if r.environment == environment]
-    for host in standing_hosts(environment):
-        if mine := next((r for r in ours if r.fingerprint.host_id == host), None):
-            return mine
-    return records[0] if records else None
+    here = host_id()
+    return next((r for r in records if r.environment == environment and r.fingerprint.host_id == here),
+                records[0] if records else None)
 
 
 def inject(model: str, environment: str, count: int = 24, new_tokens: int = 200, dtype: str = "bfloat16",
