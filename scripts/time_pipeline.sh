@@ -8,20 +8,29 @@
 #   make test on a tree whose book is built and current target <= 240 s
 #   make build after editing one environment's text    target <= 60 s
 # Usage: scripts/time_pipeline.sh [CLONE_DIR]   (default /tmp/spectie-timings, replaced; logs in CLONE_DIR/_timings)
-#   NEW_HOST=1 scripts/time_pipeline.sh ...   as a machine new to the records: a machine id of its own (a random one
-#   bind-mounted over /etc/machine-id in a mount namespace; needs root), so the builds measure this host from nothing
+#   NEW_HOST=1 scripts/time_pipeline.sh ...   as a machine of hardware new to the records: a machine id of its own (a
+#     random one bind-mounted over /etc/machine-id in a mount namespace; needs root) and no other host's records
+#     reused (SPECTIE_OWN_RECORDS_ONLY=1), so the builds measure this machine from nothing
+#   NEW_HOST=twin scripts/time_pipeline.sh ...   as a new machine of hardware the records know: a machine id of its
+#     own, and the builds reuse what a host of identical hardware measured
 set -euo pipefail
 source_tree=$(git rev-parse --show-toplevel)
-if [ "${NEW_HOST:-}" = 1 ] && [ -z "${TIME_PIPELINE_NEW_HOST:-}" ]; then
+case "${NEW_HOST:-}" in
+  ""|1|twin) ;;
+  *) echo "time_pipeline: NEW_HOST must be 1 or twin, got '$NEW_HOST'" >&2; exit 2 ;;
+esac
+if [ -n "${NEW_HOST:-}" ] && [ -z "${TIME_PIPELINE_NEW_HOST:-}" ]; then
   id_file=$(mktemp)
   python3 -c 'import uuid; print(uuid.uuid4().hex)' > "$id_file"
   echo "time_pipeline: as a new host (machine id $(cat "$id_file"))" >&2
   status=0
-  unshare --mount --uts env TIME_PIPELINE_NEW_HOST=1 bash -c \
+  own_only=$([ "$NEW_HOST" = 1 ] && echo 1 || echo 0)
+  unshare --mount --uts env TIME_PIPELINE_NEW_HOST=1 SPECTIE_OWN_RECORDS_ONLY=$own_only bash -c \
     'mount --bind "$0" /etc/machine-id && exec bash "$1" "${@:2}"' "$id_file" "$0" "$@" || status=$?
   # The figures as a record of this machine (its own host id: outside the namespace), shown by the book's
   # execution appendix.
-  (cd "$source_tree" && .venv/bin/python -m spectie.timings record "${1:-/tmp/spectie-timings}" --new-host) || status=$?
+  (cd "$source_tree" && .venv/bin/python -m spectie.timings record "${1:-/tmp/spectie-timings}" --new-host \
+    $([ "$NEW_HOST" = twin ] && echo --hardware-known)) || status=$?
   exit $status
 fi
 dir=${1:-/tmp/spectie-timings}
@@ -71,7 +80,7 @@ row() {  # row LABEL STEP TARGET
   printf '%-52s %8s %8s  %-11s %s\n' "$1" "${seconds[$2]}" "$3" "$met" "${status[$2]}"
 }
 row "fresh clone: make setup && make test" fresh 600
-if [ -n "${TIME_PIPELINE_NEW_HOST:-}" ]; then
+if [ "${SPECTIE_OWN_RECORDS_ONLY:-}" = 1 ]; then
   row "make build from clean, a host new to the records" clean-build 600
 else
   row "make build from clean" clean-build 480

@@ -325,7 +325,9 @@ class LoadResults(Fields):
 class TimingParameters(Fields):
     """A run of scripts/time_pipeline.sh (spectie.timings)."""
     command: str
-    new_host: bool  # with a machine id new to the records: its builds measured this machine from nothing
+    new_host: bool  # with a machine id new to the records
+    hardware_known: bool | None  # new_host on hardware the records know: its builds reused a host's of identical
+    # hardware (NEW_HOST=twin); False or None: no other host's records reused, its builds measured everything
     source_commit: str | None  # the commit the clone was made at
 
 

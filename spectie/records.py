@@ -158,16 +158,22 @@ def recorded_measurement(path: str | os.PathLike, key: str) -> Record | None:
 
 
 HOST_ID_PATTERN = re.compile(r"[0-9a-f]{12}")
+OWN_RECORDS_ONLY = "SPECTIE_OWN_RECORDS_ONLY"  # "1": reuse this host's records alone, measure as new hardware would
+
+
+def _own_only() -> bool:
+    return os.environ.get(OWN_RECORDS_ONLY) == "1"
 
 
 def twin_paths(path: str | os.PathLike) -> list[Path]:
     """The record at `path` (results/measured/<environment>-<host id>/<chapter>/<id>.json) as other hosts of the
     same environment would have stored it: their host id in place of this one's, in the folder and in the id.
-    Only the files that exist, in the hosts' name order."""
+    Only the files that exist, in the hosts' name order; none where SPECTIE_OWN_RECORDS_ONLY=1 (a machine whose
+    hardware no record names measures everything: `NEW_HOST=1 scripts/time_pipeline.sh` times that)."""
     path = Path(path)
     folder = path.parent.parent
     environment, _, host = folder.name.rpartition("-")
-    if not HOST_ID_PATTERN.fullmatch(host):
+    if not HOST_ID_PATTERN.fullmatch(host) or _own_only():
         return []
     found = []
     for other in sorted(folder.parent.glob(f"{environment}-*")):
@@ -198,7 +204,7 @@ def standing_hosts(environment: str, results_dir: str | os.PathLike | None = Non
 
     results_dir = Path(results_dir) if results_dir else project_root() / "results"
     hosts = [host_id()]
-    for folder in sorted((results_dir / "measured").glob(f"{environment}-*")):
+    for folder in sorted((results_dir / "measured").glob(f"{environment}-*")) if not _own_only() else ():
         name, _, host = folder.name.rpartition("-")
         if name != environment or host in hosts or not HOST_ID_PATTERN.fullmatch(host):
             continue

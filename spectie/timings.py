@@ -6,7 +6,7 @@ on the built tree and a rebuild after a one-line edit, and keeps its figures in 
 module turns that folder into a record (kind `pipeline-timings`, chapter `execution`) of this machine, and into the
 execution appendix's table, sentence and figure:
 
-    python -m spectie.timings record /tmp/spectie-timings [--new-host]
+    python -m spectie.timings record /tmp/spectie-timings [--new-host [--hardware-known]]
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from spectie.record_types import Record
 
 KIND = "pipeline-timings"
 CHAPTER = "execution"
-COMMAND = "NEW_HOST=1 scripts/time_pipeline.sh"
+COMMAND = "NEW_HOST=1 scripts/time_pipeline.sh"  # a machine of hardware new to the records
+TWIN_COMMAND = "NEW_HOST=twin scripts/time_pipeline.sh"  # a new machine of hardware the records know
 # step -> (what it times, target in seconds; a clean build on a host new to the records measures it: its own target)
 STEPS = {
     "fresh": ("fresh clone: make setup && make test", 600),
@@ -65,29 +66,32 @@ def read_run(directory: str | Path) -> dict:
             "measurements": sorted(measurements, key=lambda m: -m["seconds"]), "commit": commit or None}
 
 
-def targets(new_host: bool) -> dict[str, int]:
-    return {step: (NEW_HOST_BUILD_TARGET if new_host and step == "clean-build" else target)
+def targets(measures_everything: bool) -> dict[str, int]:
+    return {step: (NEW_HOST_BUILD_TARGET if measures_everything and step == "clean-build" else target)
             for step, (_, target) in STEPS.items()}
 
 
-def make_record(directory: str | Path, new_host: bool, results_dir=None) -> Record:
+def make_record(directory: str | Path, new_host: bool, results_dir=None, hardware_known: bool = False) -> Record:
     """This machine's record of a time_pipeline run in `directory` (one per host and kind of run: a later run
-    replaces it)."""
+    replaces it). `new_host`: with a machine id new to the records; `hardware_known`: on hardware the records know,
+    whose measurements its builds reused (else it measured everything)."""
     from spectie.fingerprint import host_id, now
     from spectie.records import measured_path, measured_record, read_record, write_record
 
+    if hardware_known and not new_host:
+        raise UsageError("--hardware-known describes a run with --new-host")
     run = read_run(directory)
-    goal = targets(new_host)
+    goal = targets(new_host and not hardware_known)
     steps = [{"step": s["step"], "what": STEPS[s["step"]][0], "seconds": s["seconds"], "ok": s["ok"],
               "target_seconds": goal[s["step"]]} for s in run["steps"] if s["step"] in STEPS]
     first = min(s["started"] for s in run["steps"])
-    record_id = f"{KIND}-cpu-{host_id()}" + ("-new-host" if new_host else "")
+    variant = "-twin-host" if hardware_known else "-new-host" if new_host else ""
     record = measured_record(
-        record_id=record_id, kind=KIND, chapter=CHAPTER,
+        record_id=f"{KIND}-cpu-{host_id()}{variant}", kind=KIND, chapter=CHAPTER,
         title="The project's feedback times in a fresh clone" + (", as a machine new to the records" if new_host else ""),
         environment="cpu",
-        parameters={"command": COMMAND if new_host else "scripts/time_pipeline.sh", "new_host": new_host,
-                    "source_commit": run["commit"]},
+        parameters={"command": TWIN_COMMAND if hardware_known else COMMAND if new_host else "scripts/time_pipeline.sh",
+                    "new_host": new_host, "hardware_known": hardware_known, "source_commit": run["commit"]},
         results={"cores": os.cpu_count(), "steps": steps, "clean_build_chapters": run["chapters"],
                  "clean_build_measurements": run["measurements"]},
         started_at=dt.datetime.fromtimestamp(first, dt.timezone.utc).isoformat(timespec="seconds"),
@@ -108,9 +112,16 @@ def host_label(record: Record) -> str:
     return f"{record.fingerprint.cpu} ({record.results.cores} cores, host {record.fingerprint.host_id})"
 
 
+def run_label(record: Record) -> str:
+    """How the run saw the machine: known to the records, new to them, or new on hardware they know."""
+    if not record.parameters.new_host:
+        return ""
+    return ", new to the records, its hardware known" if record.parameters.hardware_known else ", new to the records"
+
+
 def steps_table(records: list[Record]) -> list[dict]:
     """One row per step of every timing record: what, the machine, seconds against the target."""
-    return [{"what": step["what"], "machine": host_label(r) + (", new to the records" if r.parameters.new_host else ""),
+    return [{"what": step["what"], "machine": host_label(r) + run_label(r),
              "seconds": step["seconds"], "target (s)": step["target_seconds"],
              "target met": ("yes" if step["seconds"] <= step["target_seconds"] else "no") if step["ok"] else "failed",
              "commit": (r.parameters.source_commit or "unknown")[:7], "measured": r.finished_at[:10]}
@@ -120,8 +131,6 @@ def steps_table(records: list[Record]) -> list[dict]:
 def first_build_sentence(records: list[Record]) -> str:
     """What a host new to the records spent its first clean build on, per such record; or how to measure it."""
     new = [r for r in records if r.parameters.new_host]
-    if not new:
-        return f"A new machine's first build is not timed yet: {COMMAND} (as root) times it."
     sentences = []
     for record in new:
         build = next((s for s in record.results.steps if s["step"] == "clean-build"), None)
@@ -134,13 +143,21 @@ def first_build_sentence(records: list[Record]) -> str:
         parts = ", ".join(f"{c['chapter']} {c['seconds']:.0f} s" for c in chapters if c["seconds"] >= 1)
         longest = ", ".join(f"{m['kind']} ({m['record']}) {m['seconds']:.0f} s"
                             for m in record.results.clean_build_measurements[:4])
+        how = ("a machine id of its own, on hardware the records know: its builds reused the measurements of a host "
+               "of identical hardware" if record.parameters.hardware_known else
+               "a machine id of its own, no other host's records reused: its builds measured everything")
         sentences.append(
-            f"On {host_label(record)}, as a machine new to the records (a machine id of its own), at commit "
+            f"On {host_label(record)}, as a machine new to the records ({how}), at commit "
             f"{(record.parameters.source_commit or 'unknown')[:7]}: make build from clean took {build['seconds']} s, "
             f"{verdict} its target of {build['target_seconds']} s"
             + (" (it failed)" if not build["ok"] else "") + ". "
             + (f"Its chapters: {parts}; the rest (staleness checks, the HTML) {max(rest, 0):.0f} s. " if parts else "")
-            + (f"Its longest measurements: {longest} (engines that ran at once overlap)." if longest else ""))
+            + (f"Its longest measurements: {longest} (engines that ran at once overlap)." if longest else
+               "It measured nothing."))
+    sentences += [f"A new machine's first build on {what} is not timed yet: {command} (as root) times it."
+                  for what, command, known in (("hardware new to the records", COMMAND, False),
+                                               ("hardware the records know", TWIN_COMMAND, True))
+                  if not any(bool(r.parameters.hardware_known) == known for r in new)]
     return " ".join(sentences)
 
 
@@ -171,9 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     record = commands.add_parser("record", help="a time_pipeline run's figures as a record of this machine")
     record.add_argument("directory", help="the clone time_pipeline.sh ran in")
     record.add_argument("--new-host", action="store_true", help="it ran with a machine id new to the records")
+    record.add_argument("--hardware-known", action="store_true",
+                        help="with --new-host: on hardware the records know, whose measurements its builds reused")
     args = parser.parse_args(argv)
     try:
-        made = make_record(args.directory, args.new_host)
+        made = make_record(args.directory, args.new_host, hardware_known=args.hardware_known)
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -176,12 +176,12 @@ def shared_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def built(tmp_path_factory):
-    """A copy of the project, built once for every test that reads the book or the records a build writes (once
-    per run: the first test worker to need it builds, the others wait and read what it wrote). The chapters'
-    executed copies of this checkout go with it: where they are current the build executes nothing (a fresh clone
-    has none, so there, as in CI, every chapter is executed from clean). The measured records are the checkout's
-    own (committed): a chapter reuses this host's record of a measurement that did not change and measures what
-    did, as `make build` does."""
+    """A copy of the project, built once for every test that reads the book or the records a build writes (once per
+    run: the first test worker to need it builds, the others wait and read what it wrote). The chapters' executed
+    copies of this checkout go with it: where they are current the build executes nothing (a fresh clone has none,
+    so there, as in CI, every chapter is executed from clean). The measured records are the checkout's own
+    (committed): a chapter reuses this host's record (or one of a host of identical hardware) of a measurement that
+    did not change and measures what did, as `make build` does."""
     if not (Path(sys.prefix) / "bin" / "jupyter-book").exists():
         pytest.fail("run the tests from the project's environment (make test)")
     shared = shared_dir(tmp_path_factory)

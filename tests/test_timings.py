@@ -74,3 +74,23 @@ def test_a_folder_the_pipeline_did_not_run_in_is_one_line(tmp_path):
         timings.read_run(tmp_path)
     result = run_main(timings.main, "record", str(tmp_path))
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+
+
+def test_a_new_machine_on_known_hardware_is_its_own_run_with_the_known_hosts_target(tmp_path):
+    """NEW_HOST=twin: a machine id of its own on hardware the records know. Its record stands beside the
+    measure-everything run (another id), its clean build has the known host's target, and the appendix says which
+    run is which, and which of the two is not timed yet."""
+    twin = timings.make_record(pipeline_folder(tmp_path / "a"), new_host=True, hardware_known=True,
+                               results_dir=tmp_path / "results")
+    assert twin.id.endswith("-twin-host") and twin.parameters.command == timings.TWIN_COMMAND
+    assert timings.steps_table([twin])[1]["target (s)"] == 480
+    assert "its hardware known" in timings.steps_table([twin])[1]["machine"]
+    text = timings.first_build_sentence([twin])
+    assert "reused the measurements of a host of identical hardware" in text
+    assert "took 500 s, over its target of 480 s" in text
+    assert f"hardware new to the records is not timed yet: {timings.COMMAND}" in text
+    assert "hardware the records know is not timed yet" not in text
+    fresh = timings.make_record(pipeline_folder(tmp_path / "b"), new_host=True, results_dir=tmp_path / "results")
+    assert fresh.id != twin.id and "not timed yet" not in timings.first_build_sentence([twin, fresh])
+    with pytest.raises(UsageError, match="--new-host"):
+        timings.make_record(pipeline_folder(tmp_path / "c"), new_host=False, hardware_known=True)
