@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from spectie import thresholds, tiestop
+from spectie.claims import Claim, runs_covered
 from spectie.completions import stopped_earlier, tokens_written
 from spectie.incident import fp32_row, logit_comparison
 from spectie.record_types import Record
@@ -149,13 +150,47 @@ def ends_text(baseline: dict | None, changed: dict[str, dict], scope: str = "the
     wrote other tokens than plain greedy to its first repeat; `baseline` is plain greedy's first repeat."""
     if baseline is None or not changed:
         return f"In {scope}, no speculative completion differs from plain greedy's, so nothing moved"
-    moved = [name for name, repeat in changed.items()
-             if (repeat["finish_reason"], repeat["output_tokens"]) != (baseline["finish_reason"], baseline["output_tokens"])]
+    moved = [name for name, repeat in changed.items() if _end(repeat) != _end(baseline)]
     if moved:
         return (f"In {scope}, where the completion ends moved for {', '.join(moved)}: a near-tie flipped early in the "
                 "completion changes everything after it")
     return (f"In {scope}, every changed completion ended where plain greedy's did ({outcome(baseline)}): there, "
             "speculation changed tokens, not where the completion stops")
+
+
+def _end(repeat: dict) -> tuple:
+    return repeat["finish_reason"], repeat["output_tokens"]
+
+
+def ends_facts(runs: list[Record]) -> dict:
+    """Which speculative configurations wrote other tokens than plain greedy on their first repeat, and which of
+    those ended elsewhere, over every matrix run and prompt seed in `runs`: what `ends_text` states."""
+    from spectie.reproduce import run_key
+
+    groups: dict[tuple, list[Record]] = {}
+    for r in runs:
+        groups.setdefault((run_key(r), r.parameters.prompt_seed), []).append(r)
+    changed, moved = set(), set()
+    for group in groups.values():
+        base, differ = changed_completions(group)
+        changed |= set(differ)
+        moved |= {name for name, repeat in differ.items() if _end(repeat) != _end(base)}
+    return {"changed": sorted(changed), "moved": sorted(moved)}
+
+
+def ends_claim(runs: list[Record]) -> Claim:
+    """`ends_text` over `runs`, as a claim naming them."""
+    base, changed = changed_completions(runs)
+    words = runs_scope(runs)
+    return Claim("ends_text", ends_text(base, changed, words), runs_covered(runs, words),
+                 "spectie.guidance:ends_facts", ends_facts(runs))
+
+
+def stops_facts(runs: list[Record], threshold: float) -> dict:
+    """How many first repeats of `runs` ended on a stop token, and how many of those stops the detector flags at
+    `threshold`: what `stops_text` states."""
+    stops = [row for row in detector_rows(runs, threshold) if row["finish"] == "stop"]
+    return {"stops": len(stops), "flagged": sum(1 for row in stops if row["flagged"])}
 
 
 def stops_text(margins: list[float], flagged: int, threshold: float, scope: str = "these runs") -> str:
@@ -290,7 +325,7 @@ def run_facts(runs: list[Record]) -> dict:
         "repeats_each": max((r.results.runs_total for r in runs), default=0),
         "failed_names": ", ".join(f"{r.parameters.configuration} ({r.results.status})" for r in failed)
         or "none",
-        "ends_text": ends_text(base, changed, runs_scope(runs)), "runs_scope": runs_scope(runs),
+        "ends_text": ends_claim(runs), "runs_scope": runs_scope(runs),
         "batch_invariant_text": batch_invariant_text(runs, baseline_run(runs)),
     }
 
@@ -368,6 +403,8 @@ def evidence_values(page: Page) -> dict:
     from spectie.records import load_records
 
     detector = detector_rows(page.runs, page.tie_threshold)
+    words = runs_scope(page.runs)
+    detected = detector_facts(detector, page.tie_threshold, words)
     rows = row_counts(page.runs, resolve_model(page.model))
     baseline = page.baseline
     head = fp32_head_bands(load_records(chapter="reduction_order", kind="reduction-sweep"))  # every model's sweeps
@@ -379,7 +416,9 @@ def evidence_values(page: Page) -> dict:
         "tie_threshold_origin": page.tie_origin, "largest_label": page.largest["label"],
         "largest_band": page.largest["band"], "largest_order": page.largest["order"],
         **run_facts(page.runs), **b200_facts(page.reported),
-        **detector_facts(detector, page.tie_threshold, runs_scope(page.runs)),
+        **detected, "stops_text": Claim("stops_text", detected["stops_text"], runs_covered(page.runs, words),
+                                        "spectie.guidance:stops_facts", stops_facts(page.runs, page.tie_threshold),
+                                        {"threshold": page.tie_threshold}),
         "detector_table": pd.DataFrame(detector).style.format(precision=3, na_rep="—")
         .format({"flagged": yes_no}, na_rep="—").hide(axis="index"),
         **decisive_facts(margins),

@@ -9,6 +9,7 @@ guard) through vllm serve with MTP, without it and with it. Each measures only w
 from __future__ import annotations
 
 from spectie import survey
+from spectie.claims import Claim, Scope
 from spectie.guidance import MIN_FOR_RATE, Page, plural, rate_text
 from spectie.record_types import Record
 from spectie.records import load_records, provenance_line, same_weights, standing_first
@@ -73,6 +74,24 @@ def survey_row(record: Record, threshold: float) -> dict:
         "smallest ordinary margin": counts["ordinary_margin_min"]}
 
 
+def survey_stop_facts(records: list[Record]) -> dict:
+    """How many completions the surveys in `records` made, and how many of them ended on a stop token."""
+    completions = [c for r in records for _, _, c, _, _ in survey.classified(r)]
+    return {"completions": len(completions), "stopped": sum(c["finish_reason"] == "stop" for c in completions)}
+
+
+def survey_stops_claim(main: Record | None) -> Claim | str:
+    """How many of the survey's completions ended on a stop token, naming the survey (its host and vLLM)."""
+    if main is None:
+        return "—"
+    facts = survey_stop_facts([main])
+    words = f"the survey of host {main.fingerprint.host_id} (vLLM {main.results.vllm_version}, {main.environment})"
+    return Claim("survey_stops_text", f"in {words}, {facts['stopped']} of {facts['completions']} completions ended "
+                 "with a stop token", Scope(words, main.kind, "measured", (main.environment,),
+                                            (main.fingerprint.host_id,), (), main.fingerprint.model_sha256 or ""),
+                 "spectie.guidance_survey:survey_stop_facts", facts)
+
+
 def survey_values(page: Page) -> dict:
     """The glue values of the survey section: every survey's counts (a table), this host's survey in figures and
     words, and its stop margins (a figure)."""
@@ -97,7 +116,7 @@ def survey_values(page: Page) -> dict:
         "survey_configs": ", ".join(c for c in main.results.configurations if c != main.parameters.baseline)
         if main else "—",
         "survey_environment": main.environment if main else "—",
-        "survey_verdict": survey_verdict(counts),
+        "survey_verdict": survey_verdict(counts), "survey_stops_text": survey_stops_claim(main),
         "survey_fp_text": rate_text(counts["ordinary_flagged"], counts["ordinary_stops"]) if counts else "—",
         "survey_resolution": f"{resolution:.3f}" if resolution is not None else "—",
         "survey_min_margin": f"{smallest:.2f}" if smallest is not None else "—",

@@ -31,10 +31,16 @@ def folded(table, summary: str):
 
 def glue_all(values: dict, shown: tuple[str, ...] = ()) -> None:
     """Glue each value under its name for the page's text (`{glue:text}`name``) and figures; those named in `shown`
-    are also shown where the cell stands (a table the page shows in place)."""
+    are also shown where the cell stands (a table the page shows in place). A claim (`claims.Claim`) is glued as its
+    text, and itself beside it (`<name>.claim`), for the claims test to check against every record."""
     from myst_nb import glue
 
+    from spectie.claims import SUFFIX, Claim
+
     for name, value in values.items():
+        if isinstance(value, Claim):
+            glue(name + SUFFIX, value.to_json(), display=False)
+            value = value.text
         glue(name, value, display=name in shown)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from spectie.bands import bf16_order_text
+from spectie.claims import commit_claim
 from spectie.divergence_verdicts import blind_spot
 from spectie.environments import gpu_releases, incident_releases
 from spectie.pages import and_list, bullets, capitalised
@@ -446,4 +447,4 @@ def page_values(records: list[Record], environments: dict[str, dict], ledger: Re
         "gpu_findings": Markdown(gpu_findings_markdown(records, ledger) or "- No vLLM run on a GPU is recorded."),
         "ngram_advice": "; ".join(filter(None, [ngram_advice(records, ledger), incident_ngram_text(records, ledger)])),
         "record_count": len(records), "measured_count": sum(r.measured for r in records),
-        "commit_count": sum(bool(r.measured and r.fingerprint and r.fingerprint.source_commit) for r in records)}
+        "commit_text": commit_claim(records)}

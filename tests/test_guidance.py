@@ -154,7 +154,10 @@ def test_run_facts_say_what_ran_what_changed_and_how_it_ended():
     assert facts["determinism_text"] == "not deterministic: repeats differ"
     assert facts["failed_names"] == "ngram_gpu (error)"
     assert facts["runs_scope"] == "the 5 configurations of vLLM 0.19.0 (CPU, host host-a) on prompt seed 0"
-    assert facts["ends_text"].startswith(f"In {facts['runs_scope']}, where the completion ends moved for mtp-k8, ngram:")
+    claim = facts["ends_text"]  # a claim: the sentence, the runs it covers, and what it states about them
+    assert claim.text.startswith(f"In {facts['runs_scope']}, where the completion ends moved for mtp-k8, ngram:")
+    assert claim.names_its_scope() and claim.facts == {"changed": ["mtp-k8", "ngram"], "moved": ["mtp-k8", "ngram"]}
+    assert claim.holds(_runs()) and claim.scope.hosts == ("host-a",) and claim.scope.prompt_seeds == (0,)
     assert facts["batch_invariant_text"] == "not measured yet: no record of a batch-invariant configuration"
 
     same = guidance.run_facts(_runs()[:2])

@@ -1,0 +1,84 @@
+"""Claims as data (spectie.claims): every claim the built book makes holds over every record, and a record outside
+a claim's scope leaves it standing only because the sentence names that scope."""
+
+import copy
+
+import pytest
+
+from spectie.claims import Claim, Scope, claims_in
+from spectie.record_types import Record
+from spectie.records import load_records, read_stored
+
+# The sentences that state counts, absences or comparisons over runs, as claims, by chapter.
+CLAIMED = {"guidance": {"ends_text", "stops_text", "survey_stops_text"}, "summary": {"commit_text"}}
+
+
+@pytest.fixture(scope="module")
+def book(built):
+    """The claims of the built book by name, and every record the build's results hold."""
+    root = built[0]
+    claims = {}
+    for chapter in CLAIMED:
+        claims.update({c.name: c for c in claims_in(root / "book" / "generated" / f"{chapter}.ipynb")})
+    return claims, load_records(root / "results"), root
+
+
+def test_every_claim_of_the_built_book_holds_over_every_record(book):
+    """Each claim's measure, over the records of its scope among all of them, gives what its sentence states; a
+    sentence either names its scope or covers every record of its kind."""
+    claims, records, _ = book
+    assert set(claims) >= set().union(*CLAIMED.values())
+    for claim in claims.values():
+        assert claim.holds(records), (claim.name, claim.text, claim.measured(records), claim.facts)
+        assert claim.names_its_scope() or not claim.scope.words, claim.text
+
+
+def _gpu_runs(root, records: list[Record]) -> list[Record]:
+    """A GPU matrix run of another host, without a project commit: plain greedy to the limit, and MTP K=1 writing
+    other tokens and stopping earlier, at a stop the detector flags (made from a plain greedy record of the build)."""
+    plain = next(r for r in records if r.kind == "engine-outcome" and r.parameters.configuration == "plain"
+                 and r.results.repeats and r.results.repeats[0]["finish_reason"] == "length")
+    [path] = (root / "results" / "measured").glob(f"*/reproduce/{plain.id}.json")
+    made = []
+    for configuration, stop in (("plain", False), ("mtp-k1", True)):
+        stored = copy.deepcopy(read_stored(path))
+        stored.update(id=f"reproduce-v0-32-0-h100-{configuration}-s0-0123456789ab", environments=["v0.32.0-h100"])
+        stored["fingerprint"].update(host_id="0123456789ab", gpu="NVIDIA H100 80GB HBM3", source_commit=None)
+        stored["parameters"].update(configuration=configuration, method="mtp" if stop else "none")
+        repeat = stored["results"]["repeats"][0]
+        if stop:
+            repeat.update(token_ids=repeat["token_ids"][:3] + [0], output_tokens=4, finish_reason="stop",
+                          stop_margin={"stop_token": "<|endoftext|>", "margin": 0.01, "runner_up": "x"})
+        made.append(Record.from_dict(stored))
+    return made
+
+
+def test_a_gpu_stop_outside_a_claims_scope_leaves_it_standing_and_dropping_the_scope_breaks_it(book):
+    """A GPU run of another host whose speculative completion stops earlier: each scoped claim still holds (the
+    sentence names the runs it covers, and the new run is not among them), and the same claim without its scope
+    fails. An unscoped claim (every measured record) changes with it."""
+    claims, records, root = book
+    more = records + _gpu_runs(root, records)
+    for claim in claims.values():
+        if claim.scope.words:
+            assert claim.holds(more), claim.name
+            dropped = Claim(claim.name, claim.text, claim.scope.unscoped(), claim.measure, claim.facts,
+                            claim.arguments)
+            assert not dropped.holds(more), f"{claim.name} would hold without its scope: {claim.text}"
+        else:
+            assert not claim.holds(more), f"{claim.name} did not change with a new record: {claim.text}"
+
+
+def test_a_scope_selects_by_each_field_and_a_claim_round_trips(measured_record):
+    from conftest import typed
+
+    record = typed({**measured_record, "kind": "engine-outcome", "results": {"status": "ok"},
+                    "parameters": {"prompt_seed": 5, "configuration": "plain"}})
+    assert Scope("", "engine-outcome").covers(record) and not Scope("", "tiestop-survey").covers(record)
+    assert Scope("w", environments=("cpu",), prompt_seeds=(5,)).covers(record)
+    assert not Scope("w", prompt_seeds=(0,)).covers(record) and not Scope("w", hosts=("nope",)).covers(record)
+    assert not Scope("w", provenance="reported").covers(record)
+    claim = Claim("x", "in w, 1 of 2", Scope("w", "engine-outcome", hosts=("a",)), "spectie.claims:commit_facts",
+                  {"measured": 1, "with_commit": 0}, {})
+    assert Claim.from_json(claim.to_json()) == claim and claim.names_its_scope()
+    assert claim.scope.unscoped() == Scope("", "engine-outcome")
