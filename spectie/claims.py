@@ -73,16 +73,18 @@ class Claim:
     text: str
     scope: Scope
     measure: str
-    facts: dict
+    facts: dict | list
     arguments: dict = field(default_factory=dict)
+    markdown: bool = False  # the text is Markdown (a list of sentences), glued as such
 
     def measured(self, records: list[Record]) -> dict:
         module, _, function = self.measure.partition(":")
         return getattr(importlib.import_module(module), function)(self.scope.select(records), **self.arguments)
 
     def holds(self, records: list[Record]) -> bool:
-        """Whether the measure over the records in scope gives the facts the sentence states."""
-        return self.measured(records) == self.facts
+        """Whether the measure over the records in scope gives the facts the sentence states (compared as JSON
+        holds them: a claim read back from a page has lists where the measure may give tuples)."""
+        return json.loads(json.dumps(self.measured(records))) == json.loads(json.dumps(self.facts))
 
     def names_its_scope(self) -> bool:
         return bool(self.scope.words) and self.scope.words in self.text

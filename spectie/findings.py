@@ -7,6 +7,7 @@ the reproduce matrix's records and the classifier's verdict records, over the sc
 
 from __future__ import annotations
 
+from spectie.claims import Claim, Scope
 from spectie.pages import and_list, bullets
 from spectie.record_types import Record
 from spectie.summary import gpu_matrix_runs
@@ -201,8 +202,9 @@ def findings_table(records: list[Record]):
 
 
 def page_values(records: list[Record]) -> dict:
-    """The first page's glue values of the findings: the table, its scope, the per-path verdicts."""
-    from IPython.display import Markdown
-
+    """The first page's glue values of the findings: the table, its scope, the per-path verdicts (a claim over
+    every measured record: a new GPU run changes them)."""
+    verdicts = bullets(path_verdicts(records)) or "- No vLLM run on a GPU is recorded."
     return {"findings_table": findings_table(records), "findings_scope": FINDINGS_SCOPE,
-            "path_verdicts": Markdown(bullets(path_verdicts(records)) or "- No vLLM run on a GPU is recorded.")}
+            "path_verdicts": Claim("path_verdicts", verdicts, Scope("", provenance="measured"),
+                                   "spectie.findings:path_facts", path_facts(records), markdown=True)}

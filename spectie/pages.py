@@ -33,6 +33,7 @@ def glue_all(values: dict, shown: tuple[str, ...] = ()) -> None:
     """Glue each value under its name for the page's text (`{glue:text}`name``) and figures; those named in `shown`
     are also shown where the cell stands (a table the page shows in place). A claim (`claims.Claim`) is glued as its
     text, and itself beside it (`<name>.claim`), for the claims test to check against every record."""
+    from IPython.display import Markdown
     from myst_nb import glue
 
     from spectie.claims import SUFFIX, Claim
@@ -40,7 +41,7 @@ def glue_all(values: dict, shown: tuple[str, ...] = ()) -> None:
     for name, value in values.items():
         if isinstance(value, Claim):
             glue(name + SUFFIX, value.to_json(), display=False)
-            value = value.text
+            value = Markdown(value.text) if value.markdown else value.text
         glue(name, value, display=name in shown)
 
 

@@ -10,7 +10,7 @@ from spectie.record_types import Record
 from spectie.records import load_records, read_stored
 
 # The sentences that state counts, absences or comparisons over runs, as claims, by chapter.
-CLAIMED = {"guidance": {"ends_text", "stops_text", "survey_stops_text"}, "summary": {"commit_text"}}
+CLAIMED = {"guidance": {"ends_text", "stops_text", "survey_stops_text"}, "summary": {"commit_text", "path_verdicts"}}
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +53,26 @@ def _gpu_runs(root, records: list[Record]) -> list[Record]:
     return made
 
 
+def _bug_verdict(root) -> Record:
+    """The classifier's verdict record on that run: its MTP divergence a suspected bug (made from one of the
+    build's verdict records on a GPU release)."""
+    from spectie.divergence import Verdict
+
+    path = sorted((root / "results" / "measured").glob("*/guidance/divergence-verdicts-v0.32.0-h100-*.json"))[0]
+    stored = read_stored(path)
+    stored["id"] = "divergence-verdicts-v0.32.0-h100-0123456789ab"
+    stored["fingerprint"].update(host_id="0123456789ab", source_commit=None)
+    stored["results"]["rows"] = [dict(stored["results"]["rows"][0], case="mtp-k1 vs plain, seed 0", output_token=2,
+                                      verdict=Verdict.BUG.label, fp32_margin=-9.0)]
+    return Record.from_dict(stored)
+
+
 def test_a_gpu_stop_outside_a_claims_scope_leaves_it_standing_and_dropping_the_scope_breaks_it(book):
-    """A GPU run of another host whose speculative completion stops earlier: each scoped claim still holds (the
-    sentence names the runs it covers, and the new run is not among them), and the same claim without its scope
-    fails. An unscoped claim (every measured record) changes with it."""
+    """A GPU run of another host whose speculative completion stops earlier, and a bug-class divergence on it: each
+    scoped claim still holds (the sentence names the runs it covers, and the new run is not among them), and the
+    same claim without its scope fails. An unscoped claim (every measured record) changes with them."""
     claims, records, root = book
-    more = records + _gpu_runs(root, records)
+    more = records + _gpu_runs(root, records) + [_bug_verdict(root)]
     for claim in claims.values():
         if claim.scope.words:
             assert claim.holds(more), claim.name
