@@ -176,7 +176,7 @@ def first_build_figure(records: list[Record]):
         seconds = [c["seconds"] for c in chapters] + [max(build["seconds"] - sum(c["seconds"] for c in chapters), 0)]
         axis.barh(names, seconds, color="#4c72b0")
         axis.set_xlabel("seconds")
-        axis.set_title(f"First clean build, {host_label(record)}: {build['seconds']} s "
+        axis.set_title(f"First clean build, {host_label(record)}{run_label(record)}: {build['seconds']} s "
                        f"(target {build['target_seconds']} s)", fontsize=9)
     figure.tight_layout()
     return figure
