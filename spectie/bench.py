@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             from spectie.environments import get_environment
 
             get_environment(args.env)  # before any heavy work
-        dump = json.load(open(args.record_from)) if args.record_from else measure(args)
+        dump = read_dump(args.record_from) if args.record_from else measure(args)
         if args.env:
             from spectie.records import measured_path, write_record
 
@@ -167,6 +167,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def read_dump(path: str) -> dict:
+    """A dump written by --dump elsewhere; a missing or unreadable file is a UsageError naming it."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            dump = json.load(handle)
+    except OSError as exc:
+        raise UsageError(f"--record-from {path}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--record-from {path}: not JSON ({exc})") from None
+    if not isinstance(dump, dict) or "results" not in dump:
+        raise UsageError(f"--record-from {path}: not a dump written by --dump (no results)")
+    return dump
 
 
 def measure(args) -> dict:

@@ -105,10 +105,16 @@ def _cmd_stale(args) -> int:
 def _cmd_check(args) -> int:
     from spectie.records import record_paths
 
+    found = record_paths(args.results_dir)
+    if not found:  # a check that checked nothing has not passed
+        where = args.results_dir or "results/"
+        print(f"error: no records found under {where}" + ("" if Path(where).is_dir() else " (no such folder)"),
+              file=sys.stderr)
+        return 2
     messages = _input_problems(args.results_dir)
     for message in messages:
         print(f"error: {message}", file=sys.stderr)
-    print(f"{len(record_paths(args.results_dir))} record file(s), {len(messages)} problem(s)")
+    print(f"{len(found)} record file(s), {len(messages)} problem(s)")
     return 1 if messages else 0
 
 
@@ -200,10 +206,8 @@ def _cmd_guard(args) -> int:
     from spectie import guard, guard_proxy
 
     if args.action == "run":
-        if not args.requests:
-            raise UsageError("guard run needs a JSONL file of requests: spectie guard run requests.jsonl --url URL ...")
         requests = guard_proxy.read_requests(args.requests)  # every line checked before anything is sent
-    if not 0 < args.port < 65536:
+    elif not 0 < args.port < 65536:
         raise UsageError(f"--port must be a TCP port (1 to 65535), got {args.port}")
     checked = guard.open_guard(args.upstream, args.model, args.threshold, args.max_resumes)
     print(f"guard: {checked.upstream} serving {checked.served_model}; end-of-text {checked.stops.names()}; "
@@ -365,17 +369,20 @@ def _guard_command(sub) -> None:
                                    "field. Confident stops, stops on the caller's stop strings or stop token ids, and "
                                    "requests it cannot check (streaming, sampling, logit bias) are passed through "
                                    "unchanged. Cost: one more request per resumed stop; two logprobs per token.")
-    p.add_argument("action", choices=["run", "serve"], help="run: a JSONL file of requests; serve: a proxy")
-    p.add_argument("requests", nargs="?", help="run: JSONL file, one request body per line (or {path, body})")
-    p.add_argument("--upstream", "--url", dest="upstream", required=True, help="base URL of vllm serve")
-    p.add_argument("--model", required=True, help="the served model's folder (or organism, or a hub id in the "
-                                                   "local cache): its end-of-text tokens and recorded band")
-    p.add_argument("--threshold", type=float, help="margin in logits up to which a stop is resumed (default: the "
-                                                   "detector's, as spectie tiestop --model chooses it)")
-    p.add_argument("--max-resumes", type=int, default=4, help="resumes per completion at most (default 4)")
-    p.add_argument("--out", help="run: write the responses here (default: standard output)")
-    p.add_argument("--host", default="127.0.0.1", help="serve: address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8001, help="serve: port to listen on (default 8001)")
+    common = argparse.ArgumentParser(add_help=False)  # options in any order around the requests file
+    common.add_argument("--upstream", "--url", dest="upstream", required=True, help="base URL of vllm serve")
+    common.add_argument("--model", required=True, help="the served model's folder (or organism, or a hub id in the "
+                                                        "local cache): its end-of-text tokens and recorded band")
+    common.add_argument("--threshold", type=float, help="margin in logits up to which a stop is resumed (default: "
+                                                        "the detector's, as spectie tiestop --model chooses it)")
+    common.add_argument("--max-resumes", type=int, default=4, help="resumes per completion at most (default 4)")
+    actions = p.add_subparsers(dest="action", required=True, metavar="{run,serve}")
+    run = actions.add_parser("run", parents=[common], help="a JSONL file of requests through the guard")
+    run.add_argument("requests", help="JSONL file, one request body per line (or {path, body})")
+    run.add_argument("--out", help="write the responses here (default: standard output)")
+    serve = actions.add_parser("serve", parents=[common], help="the guard as a proxy in front of vllm serve")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8001, help="port to listen on (default 8001)")
     p.set_defaults(func=_cmd_guard)
 
 

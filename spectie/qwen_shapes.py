@@ -26,6 +26,8 @@ logits, scales with that spread.
 
 from __future__ import annotations
 
+import sys
+
 from spectie.errors import UsageError
 from spectie.record_types import Record
 
@@ -240,9 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     try:
+        from spectie.model import check_device
+
+        check_device(args.device)  # before any weight is built
         write_checkpoint(args.shape, args.folder, args.seed, args.logit_std, args.device)
     except UsageError as error:
-        print(f"error: {error}")
+        print(f"error: {error}", file=sys.stderr)
         return 2
     return 0
 

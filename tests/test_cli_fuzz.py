@@ -261,3 +261,48 @@ def test_the_fixes_query_writes_nothing(tmp_path, monkeypatch):
     before = sorted(p for p in (ROOT / "results").rglob("*") if p.is_file())
     assert run("fixes", "--vllm", "0.31.0")[0] == 0
     assert sorted(p for p in (ROOT / "results").rglob("*") if p.is_file()) == before
+
+
+def test_the_projects_other_command_lines_refuse_bad_input_in_one_line(tmp_path, monkeypatch):
+    """`check` on a folder without records (a check that checked nothing has not passed), `bench --record-from` a
+    missing or malformed dump, `qwen_shapes --device cuda` on a host without a GPU: exit 2, one line, before any
+    heavy work (the checkpoint folder is not made)."""
+    import torch
+
+    from conftest import run_main
+    from spectie import bench, qwen_shapes
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "dump.json").write_text("{not json")
+    (tmp_path / "other.json").write_text('{"rows": []}')
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cases = [(cli.main, "check", "--results-dir", str(tmp_path / "empty")),
+             (cli.main, "check", "--results-dir", str(tmp_path / "nowhere")),
+             (bench.main, "--record-from", str(tmp_path / "missing.json")),
+             (bench.main, "--record-from", str(tmp_path / "dump.json")),
+             (bench.main, "--record-from", str(tmp_path / "other.json")),
+             (qwen_shapes.main, "checkpoint", "qwen3.5-0.8b-shape", str(tmp_path / "ckpt"), "--device", "cuda")]
+    for main, *argv in cases:
+        result = run_main(main, *argv)
+        assert_bad_input(result.returncode, result.stderr, argv)
+    assert not (tmp_path / "ckpt").exists()
+    assert "no records found" in run_main(cli.main, "check", "--results-dir", str(tmp_path / "empty")).stderr
+
+
+def test_guard_run_and_serve_refuse_bad_input_in_one_line_before_any_request(tmp_path):
+    """The guard's command lines, options before or after the requests file: a missing or malformed requests file,
+    a port out of range, resumes below one, an upstream that does not answer (nothing listens on port 9): exit 2,
+    one line. Nothing is sent anywhere before its input is checked."""
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "x"}\n[1, 2]\n')
+    upstream = ("--upstream", "http://127.0.0.1:9", "--model", "organism")
+    cases = [("guard", "run", str(tmp_path / "missing.jsonl"), *upstream),
+             ("guard", "run", *upstream, str(tmp_path / "missing.jsonl")),
+             ("guard", "run", *upstream, str(tmp_path / "bad.jsonl")),
+             ("guard", "serve", *upstream, "--port", "70000"),
+             ("guard", "serve", *upstream, "--max-resumes", "0"),
+             ("guard", "serve", *upstream)]
+    for argv in cases:
+        code, _, err = run(*argv)
+        assert_bad_input(code, err, argv)
+    assert "does not answer" in run("guard", "serve", *upstream)[2]
+    assert run("guard", "run", *upstream)[0] == 2  # no requests file: argparse's usage error
