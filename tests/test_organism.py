@@ -90,9 +90,16 @@ def test_unpack_is_atomic_idempotent_and_refuses_a_changed_archive(project_copy)
 
 
 def test_the_recipe_still_trains_and_writes_the_pinned_layout(tmp_path, folder):
-    """A few steps of the real training code (make organism runs all of them): the folder it writes has the
-    pinned organism's config and the same weight names and shapes."""
-    out = organism.train(tmp_path / "retrained", steps=2, tokens=6000, log=lambda message: None)
+    """A few steps of the real training code (make organism runs all of them): the loss falls (the mean of the
+    steps below the first step's, for the body and for the MTP head), and the folder it writes has the pinned
+    organism's config and the same weight names and shapes."""
+    said = []
+    out = organism.train(tmp_path / "retrained", steps=2, tokens=6000, log=said.append)
+    trained = json.loads((out / "organism.json").read_text())
+    assert trained["loss_last20"] < trained["loss_first"]  # two steps, the second lower: their mean is lower
+    [head] = [line for line in said if line.startswith("MTP head: loss")]
+    before, after = map(float, head.removeprefix("MTP head: loss ").split(" -> "))
+    assert after < before, head
     assert json.loads((out / "config.json").read_text()) == json.loads((folder / "config.json").read_text())
     assert weight_names(out) == weight_names(folder)
     assert model_digest(str(out)) != pinned_digest()  # two steps are not the pinned training

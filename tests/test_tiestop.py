@@ -125,18 +125,24 @@ def test_without_a_band_for_these_weights_the_threshold_is_the_incidents_reporte
     assert thresholds.default_threshold(digest="000000000000") == (band, label)
 
 
-def test_default_threshold_is_the_band_recorded_for_the_same_weights():
-    from spectie.bands import recorded_band_points
+def test_default_threshold_is_the_band_recorded_for_the_same_weights(monkeypatch):
+    """The rule, on band points written out here: bf16 with TF32 off, of these weights; the device's own where it
+    has one, else the widest of any device; fp32, TF32 and other weights never count; none: the reported swing."""
+    from spectie import bands
 
-    points = [p for p in recorded_band_points() if p["dtype"] == "bfloat16" and not p["tf32"]]
-    digest = next(p["model_sha256"] for p in points if p["model_sha256"])
-    band, label = thresholds.default_threshold(digest=digest)
-    assert band == max(p["band"] for p in points if p["model_sha256"] == digest)
-    assert label.startswith("bf16 noise band of") and band != pytest.approx(1.36)
-    # On a device with a band recorded for these weights, that device's; on one without, the widest of any host.
-    for device in {p["gpu"] or "CPU" for p in points if p["model_sha256"] == digest} | {"a GPU with no record"}:
-        there = [p["band"] for p in points if p["model_sha256"] == digest and (p["gpu"] or "CPU") == device]
-        assert thresholds.default_threshold(digest=digest, device=device)[0] == (max(there) if there else band)
+    def point(band, dtype="bfloat16", tf32=False, digest="aaaaaaaaaaaa", gpu=None):
+        return {"band": band, "dtype": dtype, "tf32": tf32, "model_sha256": digest, "gpu": gpu,
+                "label": f"{band} on {gpu or 'CPU'}"}
+
+    points = [point(0.10), point(0.25, gpu="NVIDIA H100"), point(0.18, gpu="NVIDIA H100"), point(0.9, dtype="float16"),
+              point(0.8, tf32=True), point(0.7, digest="bbbbbbbbbbbb")]
+    monkeypatch.setattr(bands, "recorded_band_points", lambda: points)
+    assert thresholds.default_threshold(digest="aaaaaaaaaaaa") == (0.25, "bf16 noise band of 0.25 on NVIDIA H100")
+    assert thresholds.default_threshold(digest="aaaaaaaaaaaa", device="CPU")[0] == 0.10
+    assert thresholds.default_threshold(digest="aaaaaaaaaaaa", device="NVIDIA H100")[0] == 0.25
+    assert thresholds.default_threshold(digest="aaaaaaaaaaaa", device="NVIDIA B200")[0] == 0.25  # none there
+    assert thresholds.default_threshold(digest="bbbbbbbbbbbb")[0] == 0.7
+    assert thresholds.default_threshold(digest="cccccccccccc")[0] == pytest.approx(1.36)  # the reported swing
 
 
 def test_the_command_line_reads_jsonl_and_says_what_it_flagged(tmp_path):

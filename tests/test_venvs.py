@@ -141,7 +141,12 @@ def test_a_nightly_environment_holding_a_pypi_release_is_refused():
 
 
 def test_an_environment_without_vllm_has_nothing_to_check():
-    check_installed(get_environment("h200"), {"vllm_version": "0.32.0", "vllm_commit": None})
+    """An environment that pins no vLLM accepts whatever is installed; one that pins a release refuses another."""
+    installed = {"vllm_version": "0.32.0", "vllm_commit": None}
+    assert get_environment("h200")["vllm"] == {"version": None, "commit": None}
+    assert check_installed(get_environment("h200"), installed) is None
+    with pytest.raises(UsageError, match="0.31.0"):
+        check_installed(get_environment("v0.31.0-h100"), installed)
 
 
 # --------------------------------------------------------------------------------------- make venv
