@@ -190,6 +190,19 @@ def path_verdicts(records: list[Record]) -> list[str]:
     return said
 
 
+def findings_figure(records: list[Record]):
+    """`path_facts` of the speculative paths as a figure (plots.path_outcomes), or a sentence without a GPU run."""
+    from spectie import plots
+
+    rows = [{"label": f"vLLM {f['vllm']}, {f['gpu'].removeprefix('NVIDIA ')}: {f['path']}",
+             "generations": f["generations"], "parted": f["parted"], "bug": f["bugs"] > 0,
+             "stopped": sum(s["early"] for s in f["stops"])} for f in path_facts(records) if f["method"] != "none"]
+    if not rows:
+        return "No vLLM run on a GPU is recorded."
+    return plots.path_outcomes(rows, "Speculative generations against plain greedy's, per release and path "
+                                     "(the organism, every GPU run here)")
+
+
 def findings_table(records: list[Record]):
     """`findings_rows` as the page's table (a styled DataFrame), or a sentence where no GPU run is recorded."""
     import pandas as pd
@@ -206,5 +219,6 @@ def page_values(records: list[Record]) -> dict:
     every measured record: a new GPU run changes them)."""
     verdicts = bullets(path_verdicts(records)) or "- No vLLM run on a GPU is recorded."
     return {"findings_table": findings_table(records), "findings_scope": FINDINGS_SCOPE,
+            "findings_figure": findings_figure(records),
             "path_verdicts": Claim("path_verdicts", verdicts, Scope("", provenance="measured"),
                                    "spectie.findings:path_facts", path_facts(records), markdown=True)}

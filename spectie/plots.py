@@ -243,3 +243,23 @@ def detector_curve(rows: list[dict], marks: dict[str, float], title: str):
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, fontsize=8, frameon=False)
     return _finish(fig, ax, title)
 
+
+
+def path_outcomes(rows: list[dict], title: str):
+    """Per vLLM release and speculative path (`rows`: label, generations, parted, stopped, bug), the share of its
+    generations that parted from plain greedy (light) and that stopped earlier than plain greedy (dark), coloured
+    by the classifier's verdict on its divergences (a suspected bug, or near-ties)."""
+    fig, ax = plt.subplots(figsize=(9, 0.6 * len(rows) + 1.6))
+    for i, row in enumerate(rows):
+        colour = "#c44e52" if row["bug"] else "#4c72b0"
+        ax.barh(i, row["parted"] / row["generations"], color=colour, alpha=0.3, height=0.7)
+        ax.barh(i, row["stopped"] / row["generations"], color=colour, height=0.7)
+        ax.text(1.01, i, f"{row['stopped']} stopped, {row['parted']} parted\nof {row['generations']}", va="center",
+                fontsize=9)
+    ax.set_yticks(range(len(rows)), [row["label"] for row in rows], fontsize=10)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1)
+    ax.set_xlabel("share of the generations (light: parted from plain greedy; dark: stopped earlier than it)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("#4c72b0", "#c44e52")]
+    ax.legend(handles, ["divergences near-ties", "suspected correctness bugs"], fontsize=9, loc="lower right")
+    return _finish(fig, ax, title)
