@@ -306,3 +306,21 @@ def test_one_reason_per_engine_environment_however_many_hosts_classified_it(repo
     because = summary.verdict(typed_all(reported + [first, second]), load_environments()).because
     assert sum("Speculation by mtp through vLLM 0.26.0" in line or "speculation by mtp through vLLM 0.26.0" in line
                for line in because) == 1
+
+
+def test_the_findings_figure_draws_each_speculative_path_from_the_table_s_counts():
+    """One pair of bars per release and speculative path (parted, stopped earlier), their lengths the table's
+    counts over the generations; red where the classifier calls the path's divergences suspected bugs."""
+    records = load_records()
+    figure = findings.findings_figure(records)
+    [axes] = figure.axes
+    labels = [t.get_text() for t in axes.get_yticklabels()]
+    assert "vLLM 0.26.0, H200: ngram_gpu" in labels and "vLLM 0.32.0, H100 80GB HBM3: MTP" in labels
+    bars = axes.patches
+    assert len(bars) == 2 * len(labels)
+    at = {label: (bars[2 * i], bars[2 * i + 1]) for i, label in enumerate(labels)}
+    parted, stopped = at["vLLM 0.26.0, H200: ngram_gpu"]
+    assert parted.get_width() == pytest.approx(310 / 320) and stopped.get_width() == pytest.approx(20 / 320)
+    assert stopped.get_facecolor()[:3] == pytest.approx((0xc4 / 255, 0x4e / 255, 0x52 / 255))  # suspected bugs
+    assert at["vLLM 0.32.0, H100 80GB HBM3: ngram_gpu"][0].get_width() == 0  # plain greedy's tokens throughout
+    assert findings.findings_figure([r for r in records if not r.measured]) == "No vLLM run on a GPU is recorded."
