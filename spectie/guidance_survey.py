@@ -164,7 +164,7 @@ def injection_values(page: Page) -> dict:
 def guard_values(page: Page) -> dict:
     """The glue values of the guard section: this host's guard survey in words, and where every one came from."""
     records = [r for r in load_records(chapter=survey.CHAPTER, kind="guard-survey") if same_weights(r, page.model)]
-    return {"guard_text": guard_sentence(survey.this_hosts(standing_first(records, page.environment), page.environment)),
+    return {"guard_text": guard_claim(survey.this_hosts(standing_first(records, page.environment), page.environment)),
             "guard_provenance": provenance_line(records) if records else "no record yet"}
 
 
@@ -229,6 +229,31 @@ def guard_summary(record: Record) -> dict:
             "direct_median_s": float(np.median([row["direct"]["seconds"] for row in rows]))}
 
 
+GUARD_FACTS = ("prompts", "near_tie_without", "near_tie_with", "resumed", "extra_requests")
+
+
+def guard_scope(record: Record) -> str:
+    """The runs a guard sentence covers, in words: the survey's prompts, the server and the host."""
+    return (f"the survey's prompts through vllm serve (vLLM {record.results.vllm_version}, {record.results.backend}, "
+            f"host {record.fingerprint.host_id}) with MTP")
+
+
+def guard_facts(records: list[Record]) -> dict:
+    """The guard's counts (`guard_summary`) summed over `records`: what `guard_sentence` states."""
+    summaries = [guard_summary(r) for r in records]
+    return {name: sum(s[name] for s in summaries) for name in GUARD_FACTS}
+
+
+def guard_claim(record: Record | None) -> Claim | str:
+    """`guard_sentence` as a claim over the guard survey it reads (its environment, host and weights)."""
+    if record is None:
+        return guard_sentence(None)
+    return Claim("guard_text", guard_sentence(record),
+                 Scope(guard_scope(record), record.kind, "measured", (record.environment,),
+                       (record.fingerprint.host_id,), (), record.fingerprint.model_sha256 or ""),
+                 "spectie.guidance_survey:guard_facts", guard_facts([record]))
+
+
 def guard_sentence(record: Record | None) -> str:
     """What the guard's record says, in words, with its figures (`guard_summary`); where none is recorded, that it
     was not run yet and what runs it."""
@@ -236,12 +261,11 @@ def guard_sentence(record: Record | None) -> str:
         return ("The guard has not been measured on this model yet: `make build` measures it on this host "
                 "(the guidance chapter's `guard_prompts`)")
     s = guard_summary(record)
-    where = f"through vllm serve (vLLM {record.results.vllm_version}, {record.results.backend}) with MTP"
     reached = (f"{plural(s['near_tie_without'], 'completion')} of {s['prompts']} ended on a near-tie end-of-text stop "
                f"without the guard and {s['near_tie_with']} with it")
     if not s["resumed"]:
-        return f"On the survey's prompts {where}, {reached}: the guard had nothing to resume and added no request"
-    return (f"On the survey's prompts {where}, {reached}; the guard resumed {plural(s['resumed'], 'completion')} "
+        return f"On {guard_scope(record)}, {reached}: the guard had nothing to resume and added no request"
+    return (f"On {guard_scope(record)}, {reached}; the guard resumed {plural(s['resumed'], 'completion')} "
             f"with {plural(s['extra_requests'], 'extra request')}, and its time per completion minus the server's "
             f"alone was {s['added_median_s']:+.2f} s at the median and {s['added_p95_s']:+.2f} s at the 95th "
             f"percentile (a completion took {s['direct_median_s']:.2f} s without it, on this host)")

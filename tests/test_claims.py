@@ -10,7 +10,8 @@ from spectie.record_types import Record
 from spectie.records import load_records, read_stored
 
 # The sentences that state counts, absences or comparisons over runs, as claims, by chapter.
-CLAIMED = {"guidance": {"ends_text", "stops_text", "survey_stops_text"}, "summary": {"commit_text", "path_verdicts"}}
+CLAIMED = {"guidance": {"ends_text", "stops_text", "survey_stops_text", "guard_text"},
+           "summary": {"commit_text", "path_verdicts"}}
 
 
 @pytest.fixture(scope="module")

@@ -113,6 +113,7 @@ def test_the_chapters_figures_and_sentence_follow_the_record():
 
     def survey(rows: list[dict]) -> Record:
         return typed({"id": "guard-survey-test", "kind": "guard-survey", "chapter": "guidance",
+                      "fingerprint": {"host_id": "aaaaaaaaaaaa", "cpu": "a CPU", "os": "linux", "python": "3.11"},
                       "results": {"vllm_version": "0.32.0", "backend": "cpu", "prompts": rows}})
 
     record = survey([row(True, 1, 2.0, 3.0), row(False, 0, 2.0, 2.1), row(False, 0, 4.0, 4.1)])
@@ -126,6 +127,12 @@ def test_the_chapters_figures_and_sentence_follow_the_record():
     calm = survey([row(False, 0, 2.0, 2.0)])
     assert "nothing to resume" in guidance_survey.guard_sentence(calm)
     assert "not been measured" in guidance_survey.guard_sentence(None)
+    # As a claim: it names the server and host it covers, and its counts are the record's.
+    claim = guidance_survey.guard_claim(record)
+    assert claim.text == text and claim.names_its_scope() and "host aaaaaaaaaaaa" in text
+    assert claim.facts == {"prompts": 3, "near_tie_without": 1, "near_tie_with": 0, "resumed": 1, "extra_requests": 1}
+    assert claim.holds([record, calm]) is False and claim.holds([record]) is True  # calm is the same host's
+    assert guidance_survey.guard_claim(None) == guidance_survey.guard_sentence(None)
 
 
 def test_guard_run_counts_what_it_resumed_and_what_it_passed_through(monkeypatch, tmp_path):
