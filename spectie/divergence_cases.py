@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     if (argv if argv is not None else sys.argv[1:]) != ["build"]:
-        print(main.__doc__)
+        print(f"error: usage: {main.__doc__}", file=sys.stderr)
         return 2
     write_cases()
     return 0

@@ -428,7 +428,7 @@ def retrain(out_dir: str | Path, device: str = "cpu", log=print) -> bool:
 
 if __name__ == "__main__":
     import argparse
-
+    import sys
     parser = argparse.ArgumentParser(description="the organism (a tiny Qwen3.5 model): unpack the pinned "
                                                  "weights, retrain from the seed, or pin a trained folder")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -436,8 +436,7 @@ if __name__ == "__main__":
     retrain_parser = commands.add_parser("retrain", help="train from the seed; compare with the pinned weights")
     retrain_parser.add_argument("--out", default=str(project_root() / "artifacts" / "organism-retrained"))
     retrain_parser.add_argument("--device", default="cpu")
-    pin_parser = commands.add_parser("pin", help="pack a trained folder as the pinned organism")
-    pin_parser.add_argument("folder")
+    commands.add_parser("pin", help="pack a trained folder as the pinned organism").add_argument("folder")
     args = parser.parse_args()
     try:
         if args.command == "unpack":
@@ -446,5 +445,6 @@ if __name__ == "__main__":
             retrain(args.out, args.device)
         else:
             print(json.dumps({k: v for k, v in pin(args.folder).items() if k != "recipe"}, indent=2))
-    except UsageError as error:
-        raise SystemExit(f"error: {error}")
+    except (UsageError, OSError) as error:  # a folder that is not there too: one line, exit 2
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2)

@@ -306,3 +306,22 @@ def test_guard_run_and_serve_refuse_bad_input_in_one_line_before_any_request(tmp
         assert_bad_input(code, err, argv)
     assert "does not answer" in run("guard", "serve", *upstream)[2]
     assert run("guard", "run", *upstream)[0] == 2  # no requests file: argparse's usage error
+
+
+def test_the_organism_and_case_builder_command_lines_refuse_bad_input_in_one_line(tmp_path):
+    """`python -m spectie.organism pin` a folder that is not there, and `python -m spectie.divergence_cases` with
+    anything but `build`: exit 2, one line on stderr (the organism's command line runs as a process: it has no
+    main())."""
+    import subprocess
+    import sys
+
+    from conftest import run_main
+    from spectie import divergence_cases
+
+    pin = subprocess.run([sys.executable, "-m", "spectie.organism", "pin", str(tmp_path / "nowhere")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert_bad_input(pin.returncode, pin.stderr, "organism pin")
+    assert "nowhere" in pin.stderr
+    for argv in ([], ["bogus"], ["build", "extra"]):
+        result = run_main(divergence_cases.main, *argv)
+        assert_bad_input(result.returncode, result.stderr, argv)
