@@ -55,14 +55,15 @@ class Scope:
         return Scope("", self.kind, self.provenance)
 
 
-def runs_covered(runs: list[Record], words: str) -> Scope:
-    """The scope of a sentence over matrix runs (engine outcomes): their environments, hosts, prompt seeds and
-    weights."""
-    return Scope(words, "engine-outcome", "measured",
-                 tuple(sorted({r.environment for r in runs})),
-                 tuple(sorted({r.fingerprint.host_id for r in runs if r.fingerprint})),
-                 tuple(sorted({r.parameters.prompt_seed for r in runs if r.parameters.prompt_seed is not None})),
-                 next((r.fingerprint.model_sha256 for r in runs if r.fingerprint and r.fingerprint.model_sha256), ""))
+def covering(records: list[Record], words: str, kind: str) -> Scope:
+    """The scope of a sentence over measured `records` of `kind` (matrix runs, a survey): their environments,
+    hosts, prompt seeds (of the records that have one) and weights."""
+    seeds = {getattr(r.parameters, "prompt_seed", None) for r in records} - {None}
+    return Scope(words, kind, "measured",
+                 tuple(sorted({r.environment for r in records})),
+                 tuple(sorted({r.fingerprint.host_id for r in records if r.fingerprint})),
+                 tuple(sorted(seeds)),
+                 next((r.fingerprint.model_sha256 for r in records if r.fingerprint and r.fingerprint.model_sha256), ""))
 
 
 @dataclass(frozen=True)

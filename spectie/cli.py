@@ -103,12 +103,13 @@ def _cmd_stale(args) -> int:
 
 
 def _cmd_check(args) -> int:
+    from spectie.paths import project_root
     from spectie.records import record_paths
 
     found = record_paths(args.results_dir)
     if not found:  # a check that checked nothing has not passed
-        where = args.results_dir or "results/"
-        print(f"error: no records found under {where}" + ("" if Path(where).is_dir() else " (no such folder)"),
+        where = Path(args.results_dir) if args.results_dir else project_root() / "results"  # as record_paths reads it
+        print(f"error: no records found under {where}" + ("" if where.is_dir() else " (no such folder)"),
               file=sys.stderr)
         return 2
     messages = _input_problems(args.results_dir)

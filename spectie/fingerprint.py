@@ -81,10 +81,9 @@ def same_device(fingerprint) -> bool:
     """Whether a record's fingerprint names this machine's device: the same CPU model, ISA flags and GPU models
     (what a measurement's key holds, `device`; the GPUs named as `environment_fingerprint` names them)."""
     here = _this_hardware()
-    names = [name for name, _ in here["gpus"]]
-    gpu = _gpu([Gpu(name, "", "", 0, 0) for name in names])[0]
-    return (fingerprint.cpu, list(fingerprint.cpu_flags or []), fingerprint.gpu) == (here["cpu"], here["cpu_flags"], gpu) \
-        and fingerprint.cpu_flags is not None
+    gpu = gpu_label([name for name, _ in here["gpus"]])
+    return fingerprint.cpu_flags is not None \
+        and (fingerprint.cpu, list(fingerprint.cpu_flags), fingerprint.gpu) == (here["cpu"], here["cpu_flags"], gpu)
 
 
 def _machine_seed() -> str:
@@ -172,8 +171,14 @@ def _gpu(found: list[Gpu] | None = None) -> tuple[str | None, str | None]:
     found = gpus() if found is None else found
     if not found:
         return None, None
-    name = found[0].name if len(found) == 1 else f"{len(found)} × {found[0].name}"
-    return name, found[0].driver
+    return gpu_label([g.name for g in found]), found[0].driver
+
+
+def gpu_label(names: list[str]) -> str | None:
+    """The GPUs as records name them: "NVIDIA H100 80GB HBM3", "2 × NVIDIA GeForce RTX 4090"; None for none."""
+    if not names:
+        return None
+    return names[0] if len(names) == 1 else f"{len(names)} × {names[0]}"
 
 
 def device_name() -> str:

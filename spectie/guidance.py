@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from spectie import thresholds, tiestop
-from spectie.claims import Claim, runs_covered
+from spectie.claims import Claim, covering
 from spectie.completions import stopped_earlier, tokens_written
 from spectie.incident import fp32_row, logit_comparison
 from spectie.record_types import Record
@@ -182,7 +182,7 @@ def ends_claim(runs: list[Record]) -> Claim:
     """`ends_text` over `runs`, as a claim naming them."""
     base, changed = changed_completions(runs)
     words = runs_scope(runs)
-    return Claim("ends_text", ends_text(base, changed, words), runs_covered(runs, words),
+    return Claim("ends_text", ends_text(base, changed, words), covering(runs, words, "engine-outcome"),
                  "spectie.guidance:ends_facts", ends_facts(runs))
 
 
@@ -416,7 +416,8 @@ def evidence_values(page: Page) -> dict:
         "tie_threshold_origin": page.tie_origin, "largest_label": page.largest["label"],
         "largest_band": page.largest["band"], "largest_order": page.largest["order"],
         **run_facts(page.runs), **b200_facts(page.reported),
-        **detected, "stops_text": Claim("stops_text", detected["stops_text"], runs_covered(page.runs, words),
+        **detected, "stops_text": Claim("stops_text", detected["stops_text"],
+                                        covering(page.runs, words, "engine-outcome"),
                                         "spectie.guidance:stops_facts", stops_facts(page.runs, page.tie_threshold),
                                         {"threshold": page.tie_threshold}),
         "detector_table": pd.DataFrame(detector).style.format(precision=3, na_rep="—")

@@ -9,7 +9,7 @@ guard) through vllm serve with MTP, without it and with it. Each measures only w
 from __future__ import annotations
 
 from spectie import survey
-from spectie.claims import Claim, Scope
+from spectie.claims import Claim, covering
 from spectie.guidance import MIN_FOR_RATE, Page, plural, rate_text
 from spectie.record_types import Record
 from spectie.records import load_records, provenance_line, same_weights, standing_first
@@ -87,9 +87,8 @@ def survey_stops_claim(main: Record | None) -> Claim | str:
     facts = survey_stop_facts([main])
     words = f"the survey of host {main.fingerprint.host_id} (vLLM {main.results.vllm_version}, {main.environment})"
     return Claim("survey_stops_text", f"in {words}, {facts['stopped']} of {facts['completions']} completions ended "
-                 "with a stop token", Scope(words, main.kind, "measured", (main.environment,),
-                                            (main.fingerprint.host_id,), (), main.fingerprint.model_sha256 or ""),
-                 "spectie.guidance_survey:survey_stop_facts", facts)
+                 "with a stop token", covering([main], words, main.kind), "spectie.guidance_survey:survey_stop_facts",
+                 facts)
 
 
 def survey_values(page: Page) -> dict:
@@ -248,9 +247,7 @@ def guard_claim(record: Record | None) -> Claim | str:
     """`guard_sentence` as a claim over the guard survey it reads (its environment, host and weights)."""
     if record is None:
         return guard_sentence(None)
-    return Claim("guard_text", guard_sentence(record),
-                 Scope(guard_scope(record), record.kind, "measured", (record.environment,),
-                       (record.fingerprint.host_id,), (), record.fingerprint.model_sha256 or ""),
+    return Claim("guard_text", guard_sentence(record), covering([record], guard_scope(record), record.kind),
                  "spectie.guidance_survey:guard_facts", guard_facts([record]))
 
 
