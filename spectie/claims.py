@@ -74,7 +74,7 @@ class Claim:
     text: str
     scope: Scope
     measure: str
-    facts: dict | list
+    facts: dict | list | str
     arguments: dict = field(default_factory=dict)
     markdown: bool = False  # the text is Markdown (a list of sentences), glued as such
 

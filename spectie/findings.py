@@ -10,7 +10,7 @@ from __future__ import annotations
 from spectie.claims import Claim, Scope
 from spectie.pages import and_list, bullets
 from spectie.record_types import Record
-from spectie.summary import gpu_matrix_runs
+from spectie.release_findings import gpu_matrix_runs
 
 
 PATHS = (("none", "plain greedy"), ("mtp", "MTP"), ("ngram_gpu", "ngram_gpu"))

@@ -182,7 +182,7 @@ def recorded_verdicts_text(rows: list[dict], widest_band: float) -> str:
 
 def gpu_runs(model: str) -> dict[str, list[Record]]:
     """The recorded vLLM runs of `model`'s weights on a GPU, every prompt, per environment (by vLLM release)."""
-    from spectie.summary import gpu_matrix_runs
+    from spectie.release_findings import gpu_matrix_runs
 
     runs = gpu_matrix_runs(model_records(model, chapter="reproduce", kind="engine-outcome"))
     return {environment: records for (environment, _), records in runs.items()}

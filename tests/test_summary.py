@@ -4,7 +4,7 @@ import copy
 
 import pytest
 
-from spectie import findings, pages, summary
+from spectie import findings, pages, release_findings, summary
 from spectie.divergence import Verdict
 from spectie.divergence_verdicts import VERDICTS_KIND
 from spectie.environments import load_environments
@@ -129,7 +129,7 @@ def test_the_first_page_states_each_gpu_release_from_its_records():
 
     records = gpu_records()
     ledger = ledger_record()
-    lines = summary.gpu_findings(typed_all(records), ledger)
+    lines = release_findings.gpu_findings(typed_all(records), ledger)
     assert [line.split(" (")[0] for line in lines] == ["vLLM 0.26.0 on an NVIDIA H200", "vLLM 0.32.0 on an NVIDIA H100 80GB HBM3"]
     h100 = lines[1]
     # The incident's shape on 0.32.0: MTP K=1 (both runners) stops on prompt seed 1 where plain greedy goes on.
@@ -153,16 +153,16 @@ def test_the_first_page_states_each_gpu_release_from_its_records():
             r["results"]["repeats"] = [dict(x, finish_reason="length", output_tokens=96) for x in r["results"]["repeats"]]
     bug = verdicts_record({"ngram_gpu": [(Verdict.BUG.label, -20.5)]})
     bug["parameters"].update(engine_environment="v0.32.0-h100", engine_vllm="0.32.0")
-    turned = summary.gpu_findings(typed_all(changed + [bug]), ledger)[1]
+    turned = release_findings.gpu_findings(typed_all(changed + [bug]), ledger)[1]
     assert "ngram_gpu (K = 1, 6, 7, 8) wrote plain greedy's tokens in 319 of 320 generations" in turned
     assert "calls 1 of its 1 divergences (first repeats, one per prompt and position) suspected correctness bugs, up to 20.5 logits" in turned
     assert "mtp-v2-k1 (prompt" not in turned and "never in mtp-compiled, mtp-v1-k6" in turned
     for r in changed:
         if r["environments"][0] == "v0.32.0-h100" and r["parameters"]["method"] == "mtp":
             r["results"]["repeats"] = [dict(x, finish_reason="length", output_tokens=96) for x in r["results"]["repeats"]]
-    assert "MTP (K = 1, 6, 7, 8) never stopped earlier than plain greedy" in summary.gpu_findings(typed_all(changed), ledger)[1]
-    assert "on vLLM 0.32.0 (NVIDIA H100 80GB HBM3) ngram_gpu wrote tokens outside the noise band" in summary.ngram_advice(typed_all(changed + [bug]))
-    assert summary.ngram_advice(typed_all(records)).endswith("on vLLM 0.32.0 (NVIDIA H100 80GB HBM3) it wrote plain greedy's tokens every time")
+    assert "MTP (K = 1, 6, 7, 8) never stopped earlier than plain greedy" in release_findings.gpu_findings(typed_all(changed), ledger)[1]
+    assert "on vLLM 0.32.0 (NVIDIA H100 80GB HBM3) ngram_gpu wrote tokens outside the noise band" in release_findings.ngram_advice(typed_all(changed + [bug]))
+    assert release_findings.ngram_advice(typed_all(records)).endswith("on vLLM 0.32.0 (NVIDIA H100 80GB HBM3) it wrote plain greedy's tokens every time")
 
 
 def test_the_first_page_says_why_the_incidents_margin_is_a_tie(reported):
@@ -195,7 +195,7 @@ def test_the_incidents_ngram_gpu_stop_is_read_against_the_ledger(reported):
     from spectie.fixes import ledger_record
 
     ledger = ledger_record()
-    text = summary.incident_ngram_text(typed_all(reported), ledger)
+    text = release_findings.incident_ngram_text(typed_all(reported), ledger)
     assert text == ("the incident's own ngram_gpu stop (reported, record original-ngram_gpu-wide-verify) ran vLLM "
                     "0.31.0, whose wheel the fix ledger reads as: #40738 (open): lacks it; #52942 (open): lacks it; #56531 (open): lacks it: it may be this correctness bug "
                     "rather than a tie, and these records cannot tell which")
@@ -204,7 +204,7 @@ def test_the_incidents_ngram_gpu_stop_is_read_against_the_ledger(reported):
         if fix["fix"].startswith("39273 / PR 56531 (behaviour"):
             fix["per_release"]["0.31.0"] = "present"
     assert "#56531 (open): identifier named in the PR lacks it, behaviour described in the PR has it:" in \
-        summary.incident_ngram_text(typed_all(reported), typed(fixed))
+        release_findings.incident_ngram_text(typed_all(reported), typed(fixed))
 
 
 def test_bullets_keep_a_name_spelled_with_an_inner_capital():
@@ -221,12 +221,12 @@ def test_the_incidents_ngram_gpu_release_is_read_against_its_measured_run(report
                                "engine_device": "NVIDIA H100 80GB HBM3", "model": "organism", "threshold": 0.118},
                 "results": {"rows": [{"class": "ngram_gpu", "verdict": "bug", "fp32_margin": -20.5},
                                      {"class": "ngram_gpu", "verdict": "near-tie", "fp32_margin": 0.01}]}}
-    text = summary.incident_ngram_text(typed_all(reported + [verdicts]), ledger_record())
+    text = release_findings.incident_ngram_text(typed_all(reported + [verdicts]), ledger_record())
     assert ("ran vLLM 0.31.0, whose wheel the fix ledger reads as: #40738 (open): lacks it; #52942 (open): lacks it; #56531 (open): lacks it; on the organism, ngram_gpu of "
             "that release (v0.31.0-h100, measured) wrote tokens outside the noise band: the classifier calls 1 of its "
             "2 divergences suspected correctness bugs, so the bug is in that release: it may be") in text
     verdicts["results"]["rows"] = verdicts["results"]["rows"][1:]
-    assert "parted from plain greedy only at near-ties (1 of 1)" in summary.incident_ngram_text(typed_all(reported + [verdicts]),
+    assert "parted from plain greedy only at near-ties (1 of 1)" in release_findings.incident_ngram_text(typed_all(reported + [verdicts]),
                                                                                                 ledger_record())
 
 
