@@ -1,0 +1,151 @@
+"""The tie-stop detector's readers and rules on inputs written out here: vLLM RequestOutputs, reproduction records,
+JSONL logs and malformed responses, each refused with where it is wrong. Expected values are written out by hand."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import typed
+from spectie import tiestop
+from spectie.errors import UsageError
+from spectie.tiestop import Completion, EndOfText, Step
+
+
+def refusal(call, *args) -> str:
+    with pytest.raises(UsageError) as refused:
+        call(*args)
+    return str(refused.value)
+
+
+def logprob(value: float, text: str | None):
+    return SimpleNamespace(logprob=value, decoded_token=text)
+
+
+def test_a_vllm_request_output_is_read_token_by_token_with_ids():
+    first = SimpleNamespace(index=0, token_ids=[5, 7], finish_reason="stop", stop_reason=None, logprobs=[
+        {5: logprob(-0.1, "a"), 6: logprob(-2.0, "b")}, {7: logprob(-0.5, None), 8: logprob(-0.6, "c")}])
+    second = SimpleNamespace(index=1, token_ids=[9], finish_reason="length", logprobs=None)  # no stop_reason field
+    output = SimpleNamespace(request_id="req-1", outputs=[first, second])
+    assert tiestop.from_request_output(output) == [
+        Completion([Step("a#5", -0.1, {"a#5": -0.1, "b#6": -2.0}), Step("#7", -0.5, {"#7": -0.5, "c#8": -0.6})],
+                   "stop", "vllm RequestOutput", "req-1/0", None),
+        Completion([], "length", "vllm RequestOutput", "req-1/1", None)]
+    output.outputs = [SimpleNamespace(index=0, token_ids=[], finish_reason="stop", stop_reason="\n\n", logprobs=[])]
+    assert tiestop.from_request_output(output)[0].stop_reason == "\n\n"
+
+
+REPEAT = {"token_ids": [5, 7], "top2_margins": [1.5, None], "finish_reason": "stop", "stop_reason": None,
+          "stop_margin": {"stop_token": "<|endoftext|>#7", "runner_up": "DATA#17247", "margin": 0.125}}
+
+
+def reproduction(repeats):
+    return typed({"id": "rec", "results": {"repeats": repeats, "status": "failed"}})
+
+
+def test_a_reproduction_record_is_read_one_completion_per_repeat():
+    other = {"token_ids": [0, 6], "top2_margins": [None, 2.0], "finish_reason": "length", "stop_reason": 9}
+    assert tiestop.from_record(reproduction([REPEAT, other])) == [
+        Completion([Step("#5", 0.0, {"#5": 0.0, "runner-up": -1.5}),
+                    Step("<|endoftext|>#7", 0.0, {"<|endoftext|>#7": 0.0, "DATA#17247": -0.125})],
+                   "stop", "reproduction record", "rec repeat 1", None),
+        Completion([Step("#0", 0.0, {"#0": 0.0}), Step("#6", 0.0, {"#6": 0.0, "runner-up": -2.0})],
+                   "length", "reproduction record", "rec repeat 2", 9)]
+    [stop] = tiestop.from_record(reproduction([REPEAT]))
+    verdict = tiestop.check(stop, 0.125)
+    assert verdict.flagged and verdict.margin == 0.125 and verdict.runner_up == "DATA#17247"
+
+
+def test_what_is_not_a_reproduction_record_is_refused():
+    said = "record 'rec': not a reproduction record (kind engine-outcome, with repeats)"
+    comparison = typed({"id": "rec", "kind": "logit-comparison", "chapter": "margins", "results": {"rows": []}})
+    assert refusal(tiestop.from_record, comparison) == said
+    assert refusal(tiestop.from_record, reproduction(None)) == said
+    assert refusal(tiestop.from_record, reproduction([])) == (
+        "record 'rec': no repeats to check (status 'failed': the configuration wrote nothing)")
+
+
+@pytest.mark.parametrize("change, said", [
+    ({"token_ids": [1, -1]}, "results.repeats[1].token_ids[1]: expected a token id (an integer >= 0), got int -1"),
+    ({"token_ids": [True]}, "results.repeats[1].token_ids[0]: expected a token id (an integer >= 0), got bool true"),
+    ({"token_ids": [1.0]}, "results.repeats[1].token_ids[0]: expected a token id (an integer >= 0), got float 1.0"),
+    ({"token_ids": "12"}, "results.repeats[1].token_ids: expected a list, got str \"12\""),
+    ({"top2_margins": "x"}, "results.repeats[1].top2_margins: expected a list, got str \"x\""),
+    ({"top2_margins": [None, "x"]}, "results.repeats[1].top2_margins[1]: expected a number, got str \"x\""),
+    ({"stop_margin": 5}, "results.repeats[1].stop_margin: expected an object, got int 5"),
+    ({"stop_margin": {**REPEAT["stop_margin"], "stop_token": 1}},
+     "results.repeats[1].stop_margin.stop_token: expected a token (text), got int 1"),
+    ({"stop_margin": {**REPEAT["stop_margin"], "runner_up": None}},
+     "results.repeats[1].stop_margin.runner_up: expected a token (text), got NoneType null"),
+    ({"stop_margin": {**REPEAT["stop_margin"], "margin": None}},
+     "results.repeats[1].stop_margin.margin: expected a number, got NoneType null"),
+    ({"finish_reason": 3}, "results.repeats[1].finish_reason: expected text or null, got int 3"),
+])
+def test_a_malformed_repeat_is_refused_naming_the_field(change, said):
+    record = reproduction([REPEAT, {**REPEAT, **change}])
+    assert refusal(tiestop.from_record, record) == f"record 'rec': {said}"
+
+
+def test_malformed_repeats_are_refused_naming_the_record():
+    assert refusal(tiestop.from_record, reproduction([REPEAT, 7])) == (
+        "record 'rec': results.repeats[1]: expected an object, got int 7")
+    assert refusal(tiestop.from_record, reproduction({"a": 1})) == (
+        "record 'rec': results.repeats: expected a list, got dict {\"a\": 1}")
+
+
+def test_a_value_is_quoted_by_its_type_and_its_first_forty_characters():
+    assert refusal(tiestop._number, "x" * 38, "w") == f"w: expected a number, got str \"{'x' * 38}\""  # 40 in JSON
+    assert refusal(tiestop._number, "x" * 39, "w") == f"w: expected a number, got str \"{'x' * 38}x…"
+    assert refusal(tiestop._number, {1}, "w") == "w: expected a number, got set \"{1}\""
+    for bad in (True, float("nan"), float("inf"), None):
+        assert refusal(tiestop._number, bad, "w").startswith("w: expected a number, got ")
+    assert tiestop._number(-1, "w") == -1.0 and isinstance(tiestop._number(-1, "w"), float)
+
+
+def chat(content) -> dict:
+    return {"id": "c", "choices": [{"index": 0, "message": {}, "finish_reason": "stop", "logprobs": {"content": content}}]}
+
+
+@pytest.mark.parametrize("content, said", [
+    ("abc", "content: expected a list, got str \"abc\""),
+    ([5], "content[0]: expected an object, got int 5"),
+    ([{"token": "a", "logprob": -0.1, "top_logprobs": "x"}], "content[0].top_logprobs: expected a list, got str \"x\""),
+    ([{"token": "a", "logprob": -0.1, "top_logprobs": [3]}], "content[0].top_logprobs[0]: expected an object, got int 3"),
+    ([{"token": "a", "logprob": -0.1, "top_logprobs": [{"token": 3, "logprob": -1.0}]}],
+     "content[0].top_logprobs[0].token: expected a token (text), got int 3"),
+    ([{"token": "a", "logprob": -0.1, "top_logprobs": [{"token": "b", "logprob": "x"}]}],
+     "content[0].top_logprobs[0].logprob: expected a number, got str \"x\""),
+    ([{"token": 4, "logprob": -0.1}], "content[0].token: expected a token (text), got int 4"),
+    ([{"token": "a", "logprob": None}], "content[0].logprob: expected a number, got NoneType null"),
+])
+def test_a_malformed_chat_logprob_is_refused_naming_where(content, said):
+    assert refusal(tiestop.from_openai, chat(content)) == f"response: choices[0].logprobs.{said}"
+
+
+def test_a_chat_completion_without_top_logprobs_has_steps_with_no_alternatives():
+    [completion] = tiestop.from_openai(chat([{"token": "a", "logprob": -0.1}]))
+    assert completion.steps == [Step("a", -0.1, {})] and completion.source == "openai chat completion"
+
+
+def test_a_jsonl_log_that_is_missing_empty_or_not_json_is_refused(tmp_path):
+    missing = tmp_path / "missing.jsonl"
+    assert refusal(tiestop.read_jsonl, missing) == f"no such file: {missing}"
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b"\xff\xfe\x00")
+    assert refusal(tiestop.read_jsonl, binary) == f"{binary}: not UTF-8 text"
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n  \n")
+    assert refusal(tiestop.read_jsonl, empty) == f"{empty}: no completions in it (an empty or truncated log is not a pass)"
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("\n{not json\n")
+    assert refusal(tiestop.read_jsonl, broken) == (
+        f"{broken}:2: not JSON (Expecting property name enclosed in double quotes)")
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text("[" * 100000)
+    assert refusal(tiestop.read_jsonl, deep) == f"{deep}:1: not JSON (nested too deeply)"
+
+
+def test_every_line_of_a_jsonl_log_is_read_and_named_by_file_and_line(tmp_path):
+    line = '{"id": "x", "choices": [{"index": 0, "finish_reason": "length", "logprobs": null}]}'
+    path = tmp_path / "log.jsonl"
+    path.write_text(f"{line}\n\n{line}\n")
+    assert [c.request for c in tiestop.read_jsonl(str(path))] == ["log.jsonl:1/0", "log.jsonl:3/0"]
