@@ -14,7 +14,7 @@ VLLM_CPU := $(shell [ "$$(uname -sm)" = "Linux x86_64" ] && ! command -v nvidia-
 HTML := _build/html
 BOOK_FLAGS := -W -n --keep-going
 
-.PHONY: help setup check-setup build test mutate run bench venv wheelhouse list check stale clean organism
+.PHONY: help setup check-setup build test mutate run diagnose bench venv wheelhouse list check stale clean organism
 
 help:
 	@echo "make setup   create $(VENV) with the pinned requirements (idempotent)"
@@ -96,6 +96,13 @@ run: check-setup
 	@test -n "$(CHAPTER)" || { echo "error: give CHAPTER=<name>; valid chapters:" >&2; $(PY) -m spectie list >&2; exit 2; }
 	$(PY) -m spectie run $(CHAPTER) $(if $(PARAMS),--params $(PARAMS)) $(if $(ENV),--env $(ENV)) \
 		$(if $(MODEL),--set model=$(MODEL)) $(if $(DEVICE),--set device=$(DEVICE))
+
+# One request that stopped early, diagnosed: REQUEST=<request.json or log.jsonl> [MODEL=<folder>] [ENV=<environment>]
+# [DEVICE=cuda] [LINE=<n>] [REPEATS=<n>]; the page and its records go to _build/diagnose/<request's name>/.
+diagnose: check-setup
+	@test -n "$(REQUEST)" || { echo "error: give REQUEST=<an OpenAI request body or a JSONL log line with its response>" >&2; exit 2; }
+	$(PY) -m spectie diagnose $(REQUEST) $(if $(MODEL),--model $(MODEL)) $(if $(ENV),--env $(ENV)) \
+		$(if $(DEVICE),--device $(DEVICE)) $(if $(LINE),--line $(LINE)) $(if $(REPEATS),--repeats $(REPEATS))
 
 # Cost of the reduction-order scans on this host; prints the figures and records them (ENV, default cpu).
 bench: check-setup

@@ -79,6 +79,14 @@ def _cmd_run(args) -> int:
     return 0
 
 
+def _cmd_diagnose(args) -> int:
+    from spectie.diagnose import write_page
+
+    write_page(args.request, args.model, args.env, line=args.line, repeats=args.repeats, device=args.device,
+               name=args.name)
+    return 0
+
+
 def _cmd_venv(args) -> int:
     """.venvs/<env> with the environment's vLLM; a commit-pinned environment takes the commit's full hash
     from VLLM_COMMIT."""
@@ -298,6 +306,16 @@ def _chapter_commands(sub) -> None:
     p.add_argument("--env", help="environment id from environments/ this host stands for")
     p.add_argument("--output", help="where to write the executed notebook (default _build/runs/)")
     p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser("diagnose", help="one request that stopped early, through the book's analysis (a page)")
+    p.add_argument("request", help="an OpenAI completion or chat request body, or a JSONL log line with its response")
+    p.add_argument("--model", default="organism", help="the model folder (or hub id) it was served with")
+    p.add_argument("--env", default="cpu", help="environment id from environments/ whose vLLM runs it")
+    p.add_argument("--line", type=int, help="the line of a JSONL log (1-based)")
+    p.add_argument("--repeats", type=int, default=10, help="repeats per configuration (default 10)")
+    p.add_argument("--device", default="cpu", help="where the classifier's fp32 reference runs: cpu or cuda")
+    p.add_argument("--name", help="the page's folder under _build/diagnose/ (default: the request file's name)")
+    p.set_defaults(func=_cmd_diagnose)
 
     p = sub.add_parser("venv", help="create .venvs/<env> with that environment's official vLLM (GPU hosts)",
                        description="Create .venvs/<env> with the vLLM the environment pins: a release from PyPI "

