@@ -61,14 +61,27 @@ def classified(records: list[Record], device: str) -> dict[str, object]:
     return verdicts
 
 
+def failed_text(rows: list[dict]) -> str:
+    """The configurations vLLM did not run here (refused or crashed), said as such: '' when every one ran."""
+    failed = [f"{r['configuration']} ({r['status']})" for r in rows if r["status"] != "ok"]
+    return f"; did not run here: {and_list(failed)} (the record holds vLLM's error)" if failed else ""
+
+
 def reproduces_text(rows: list[dict]) -> str:
     """Does the stop reproduce here, and how often?"""
+    return _reproduces(rows) + failed_text(rows)
+
+
+def _reproduces(rows: list[dict]) -> str:
     early = [r for r in rows if r["stopped earlier than plain greedy"]]
+    if not any(r["stopped"] for r in rows):
+        return "No: no configuration stopped; every completion ran to the request's max_tokens"
     if not early:
-        ran = [r for r in rows if r["stopped earlier than plain greedy"] != ""]
-        return (f"No: no speculative configuration stopped earlier than plain greedy here ({and_list([r['configuration'] for r in ran])}, "
-                f"{max((r['repeats'] for r in ran), default=0)} repeats each)" if ran else
-                "Not measured: no speculative configuration ran")
+        ran = [r for r in rows if r["stopped earlier than plain greedy"] != "" and r["status"] == "ok"]
+        if not ran:
+            return "Not measured: no speculative configuration ran"
+        return (f"No: no speculative configuration stopped earlier than plain greedy here "
+                f"({and_list([r['configuration'] for r in ran])}, {max(r['repeats'] for r in ran)} repeats each)")
     return "Yes: " + "; ".join(f"{r['configuration']} stopped earlier than plain greedy in "
                                f"{r['stopped earlier than plain greedy']} of {r['repeats']} repeats (after "
                                f"{r['tokens written']} tokens)" for r in early)
@@ -118,6 +131,8 @@ def advice_text(rows: list[dict], verdicts: dict, plain: str) -> str:
 
     early = [r["configuration"] for r in rows if r["stopped earlier than plain greedy"]]
     bugs = [c for c, v in verdicts.items() if v.verdict is Verdict.BUG]
+    if not any(r["stopped"] for r in rows) and not bugs:
+        return "nothing: no completion stopped early here, and no divergence from plain greedy is a suspected bug"
     said = []
     if bugs:
         said.append(f"a suspected correctness bug ({and_list(bugs)}): report it upstream with these records, and do "
