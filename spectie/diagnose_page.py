@@ -138,10 +138,15 @@ def advice_text(rows: list[dict], verdicts: dict, plain: str) -> str:
         said.append(f"a suspected correctness bug ({and_list(bugs)}): report it upstream with these records, and do "
                     "not serve that speculative method on this release; the fix ledger below says which release "
                     "carries the public fixes")
-    if early and not bugs:
-        said.append(f"a near-tie stop ({and_list(early)}): run behind the guard (spectie guard serve --upstream "
+    near = [c for c in early if c in verdicts and verdicts[c].verdict is Verdict.NEAR_TIE]
+    if near and not bugs:
+        said.append(f"a near-tie stop ({and_list(near)}): run behind the guard (spectie guard serve --upstream "
                     "<vllm serve URL> --model <model folder>), or serve requests whose completeness matters "
                     "without speculation; no K is safe by itself")
+    unjudged = [c for c in early if c not in verdicts]
+    if unjudged:
+        said.append(f"an earlier stop the classifier did not judge ({and_list(unjudged)}): classify it with spectie "
+                    "classify --record <its record> before choosing")
     if plain.startswith("Yes"):
         said.append("plain greedy stops too: the stop is the model's own, not speculation's")
     if not early and not bugs:

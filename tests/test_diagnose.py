@@ -112,3 +112,31 @@ def test_this_hosts_near_tie_is_diagnosed_end_to_end_through_vllm(request, tmp_p
         assert "own logprobs, within the detector" in page
         assert "plain greedy stops too: the stop is the model" in page
     assert len(list((tmp_path / "page" / "results").glob("measured/cpu-*/reproduce/*.json"))) == 2  # written here
+
+
+def _row(configuration, stopped=0, earlier="", status="ok", repeats=10):
+    return {"configuration": configuration, "status": status, "repeats": repeats, "stopped": stopped,
+            "stopped earlier than plain greedy": earlier, "tokens written": "96", "first parted at output token": None,
+            "narrowest stop margin": None, "flagged by the detector": None}
+
+
+def test_a_request_that_never_stops_says_so_and_recommends_nothing():
+    from spectie import diagnose_page
+
+    rows = [_row("plain"), _row("request-mtp-k1", earlier=0)]
+    assert diagnose_page.reproduces_text(rows) == ("No: no configuration stopped; every completion ran to the "
+                                                   "request's max_tokens")
+    assert diagnose_page.advice_text(rows, {}, "No: plain greedy wrote all 96 tokens") == (
+        "nothing: no completion stopped early here, and no divergence from plain greedy is a suspected bug")
+
+
+def test_an_earlier_stop_is_counted_and_a_configuration_vllm_refused_is_named():
+    from spectie import diagnose_page
+
+    rows = [_row("plain"), _row("request-mtp-k1", stopped=7, earlier=7), _row("ngram_gpu", status="unsupported",
+                                                                                earlier=0, repeats=0)]
+    assert diagnose_page.reproduces_text(rows) == (
+        "Yes: request-mtp-k1 stopped earlier than plain greedy in 7 of 10 repeats (after 96 tokens); did not run "
+        "here: ngram_gpu (unsupported) (the record holds vLLM's error)")
+    assert diagnose_page.advice_text(rows, {}, "No: plain greedy wrote all 96 tokens").startswith(
+        "an earlier stop the classifier did not judge (request-mtp-k1)")
