@@ -80,6 +80,25 @@ def release_parameters(folder: Path) -> int | None:
     return sum(math.prod(shape) for name, shape in shapes.items() if not name.startswith(("mtp.", "model.visual.")))
 
 
+# What the project's GPU runs of vLLM needed beyond the matrix (environments v0.26.0-h200, v0.31.0-*, v0.32.0-*: a
+# wheelhouse without flashinfer), and why: (section of the environment file, key, value, why).
+GPU_OVERRIDES = (
+    ("engine", "gdn_prefill_backend", "triton", "on Hopper vLLM picks FlashInfer's GDN prefill, and without flashinfer "
+     "installed the engine fails to start"),
+    ("engine_environment", "VLLM_USE_FLASHINFER_SAMPLER", "0", "vLLM's sampler would use flashinfer; 0 keeps its own"),
+)
+VLLM_CHAPTERS = ("reproduce", "guidance")
+
+
+def override_lines(chapter: str, environment: dict) -> list[str]:
+    """For a chapter that runs vLLM on a GPU, each override of GPU_OVERRIDES the environment file omits, with why."""
+    if chapter not in VLLM_CHAPTERS or not environment["hardware"].get("gpu"):
+        return []
+    return [f"environment {environment['id']} sets no {key} under {section}: the project's GPU runs needed "
+            f"{key}: {value!r} ({why}); add it to environments/{environment['id']}.yaml unless flashinfer is installed"
+            for section, key, value, why in GPU_OVERRIDES if key not in (environment.get(section) or {})]
+
+
 def check(chapter: str, environment: dict, parameters: dict, *, strict: bool = False) -> list[str]:
     """What this host has, as lines to print; a UsageError naming every mismatch with the environment or
     shortage of memory. `parameters`: the run's (defaults filled in). A driver other than the environment's
@@ -98,7 +117,7 @@ def check(chapter: str, environment: dict, parameters: dict, *, strict: bool = F
             (problems if is_problem else lines).append(said)
     if problems:
         raise UsageError("this host does not fit the run:\n  " + "\n  ".join(problems + lines))
-    return lines
+    return lines + override_lines(chapter, environment)
 
 
 def _gpu_problems(environment: dict, found: list, device: str, device_given: bool) -> list[str]:

@@ -61,6 +61,20 @@ def test_a_matching_host_passes_and_says_what_it_has(fake_nvidia_smi):
     assert lines[1].startswith("model: organism, needs about 0.") and "GiB free on the GPU" in lines[1]
 
 
+def test_a_gpu_environment_without_the_overrides_the_gpu_runs_needed_is_flagged_with_the_reason():
+    """The project's GPU runs of vLLM needed the triton GDN prefill and vLLM's own sampler (no flashinfer): an
+    environment that sets neither is flagged for the chapters that run vLLM, one line each, saying why."""
+    said = host.override_lines("reproduce", {"id": "my-4090", "hardware": {"gpu": "NVIDIA GeForce RTX 4090"}})
+    assert [line.split(" under ")[0] for line in said] == ["environment my-4090 sets no gdn_prefill_backend",
+                                                          "environment my-4090 sets no VLLM_USE_FLASHINFER_SAMPLER"]
+    assert "fails to start" in said[0] and "environments/my-4090.yaml" in said[0]
+    set_both = {"id": "x", "hardware": {"gpu": "H100"}, "engine": {"gdn_prefill_backend": "triton"},
+                "engine_environment": {"VLLM_USE_FLASHINFER_SAMPLER": "0"}}
+    assert host.override_lines("reproduce", set_both) == []
+    assert host.override_lines("margins", {"id": "x", "hardware": {"gpu": "H100"}}) == []  # runs no vLLM
+    assert host.override_lines("guidance", {"id": "cpu", "hardware": {"gpu": None}}) == []  # the CPU build
+
+
 def without_gpu(monkeypatch, main, *args: str) -> subprocess.CompletedProcess:
     """A command line's `main(args)` in this process with no nvidia-smi on PATH; it must stop with a usage error
     (exit 2)."""

@@ -63,6 +63,15 @@ def choose_matrix(environment: dict, matrix: str, configurations: list[str] | No
     return chosen.with_sampling(max_tokens, ignore_eos).with_environment(environment.get("engine_environment"))
 
 
+GPU_SEEDS = list(range(8))  # the incident's prompt and seven more listings: the GPU runs' early stops were among them
+
+
+def default_seeds(environment: dict) -> list[int]:
+    """The prompt seeds a run takes unless told otherwise: 0 to 7 on a GPU (where the recorded silent stops were on
+    seeds other than the incident's own), the incident's prompt alone on the CPU build (the default build's run)."""
+    return GPU_SEEDS if checks.gpu_count(environment) else [0]
+
+
 def make_plan(environment: str = "cpu", matrix: str = "auto", model: str = "organism", *,
               configurations: list[str] | None = None, repeats: int | None = None, max_tokens: int | None = None,
               ignore_eos: bool | None = None, prompt_tokens: int = 1845, prompt_seeds: list[int] | None = None,
@@ -77,7 +86,7 @@ def make_plan(environment: str = "cpu", matrix: str = "auto", model: str = "orga
 
     env = get_environment(environment)
     chosen = choose_matrix(env, matrix, configurations, repeats, parallel, max_tokens, ignore_eos)
-    seeds = checks.check_seeds([0] if prompt_seeds is None else prompt_seeds)
+    seeds = checks.check_seeds(default_seeds(env) if prompt_seeds is None else prompt_seeds)
     extra = extra_engine_arguments(env, {} if engine_arguments is None else engine_arguments, tensor_parallel_size)
     checks.check_devices(env, tensor_parallel_size)
     chosen, extra = checks.split_over_cores(env, chosen, extra)
