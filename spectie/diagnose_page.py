@@ -130,14 +130,22 @@ def advice_text(rows: list[dict], verdicts: dict, plain: str) -> str:
     from spectie.divergence import Verdict
 
     early = [r["configuration"] for r in rows if r["stopped earlier than plain greedy"]]
-    bugs = [c for c, v in verdicts.items() if v.verdict is Verdict.BUG]
-    if not any(r["stopped"] for r in rows) and not bugs:
+    flagged = {c: v for c, v in verdicts.items() if v.verdict is Verdict.BUG}
+    # Speculation's only where its own tokens leave the band (or the first difference does); plain greedy's alone
+    # leaving it says the band is narrower than this host's own bf16 decoding, not that speculation broke.
+    bugs = [c for c, v in flagged.items() if v.outside_band_a or abs(v.reference_margin or 0) > v.threshold]
+    plain_only = [c for c in flagged if c not in bugs]
+    if not any(r["stopped"] for r in rows) and not flagged:
         return "nothing: no completion stopped early here, and no divergence from plain greedy is a suspected bug"
     said = []
     if bugs:
         said.append(f"a suspected correctness bug ({and_list(bugs)}): report it upstream with these records, and do "
                     "not serve that speculative method on this release; the fix ledger below says which release "
                     "carries the public fixes")
+    if plain_only:
+        said.append(f"the classifier's suspected bug for {and_list(plain_only)} rests on plain greedy's own tokens, "
+                    "which leave the noise band without any speculation: not a fault of speculation, and no "
+                    "speculative fix applies; the band is narrower than this host's bf16 decoding there")
     near = [c for c in early if c in verdicts and verdicts[c].verdict is Verdict.NEAR_TIE]
     if near and not bugs:
         said.append(f"a near-tie stop ({and_list(near)}): run behind the guard (spectie guard serve --upstream "

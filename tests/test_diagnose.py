@@ -140,3 +140,22 @@ def test_an_earlier_stop_is_counted_and_a_configuration_vllm_refused_is_named():
         "here: ngram_gpu (unsupported) (the record holds vLLM's error)")
     assert diagnose_page.advice_text(rows, {}, "No: plain greedy wrote all 96 tokens").startswith(
         "an earlier stop the classifier did not judge (request-mtp-k1)")
+
+
+def test_a_suspected_bug_is_laid_on_speculation_only_where_its_own_tokens_leave_the_band():
+    """The classifier flags a pair whose plain greedy side alone trails fp32's top-1 by more than the band (a knife
+    edge of this host's bf16 decoding): the advice says so, and does not tell the operator to drop speculation."""
+    from spectie import diagnose_page
+    from spectie.divergence import Divergence, Verdict
+
+    def flagged(outside_a, outside_b, margin=0.009):
+        return Divergence(Verdict.BUG, 84, 1, 2, "4", "1", margin, 0.0, "4", 1, 2, outside_a, outside_b, 0.107,
+                          "given", "the classifier's explanation")
+
+    rows = [_row("plain", stopped=10), _row("mtp-k1", earlier=0)]
+    plain_side = diagnose_page.advice_text(rows, {"mtp-k1": flagged([], [{"position": 96, "gap": 0.115}])}, "Yes")
+    assert "rests on plain greedy's own tokens" in plain_side and "do not serve" not in plain_side
+    own_side = diagnose_page.advice_text(rows, {"mtp-k1": flagged([{"position": 90, "gap": 3.0}], [])}, "Yes")
+    assert own_side.startswith("a suspected correctness bug (mtp-k1): report it upstream")
+    wide_first = diagnose_page.advice_text(rows, {"mtp-k1": flagged([], [], margin=-2.5)}, "Yes")
+    assert wide_first.startswith("a suspected correctness bug (mtp-k1)")
