@@ -105,7 +105,8 @@ def test_this_hosts_near_tie_is_diagnosed_end_to_end_through_vllm(request, tmp_p
     page = " ".join(re.sub(r"<[^>]+>", " ", html.read_text()).split())
     if configuration == "mtp-k1":  # MTP stopped where plain greedy went on
         assert "Does the stop reproduce here, and how often? Yes: request-mtp-k1 stopped earlier" in page
-        assert "near-tie" in page and "spectie guard serve" in page
+        # the guard is advised exactly when the classifier calls the stop's divergence a near-tie
+        assert ("spectie guard serve --upstream" in page) == ("request-mtp-k1: near-tie:" in page), page[:3000]
     else:  # plain greedy stopped at the tie where MTP went on
         assert (f"Does plain greedy stop there too? Yes: plain greedy stopped too, after {stop['position']} tokens; "
                 f"its stop won by {stop['margin']:.3f} logits in vLLM") in page, page[:3000]
