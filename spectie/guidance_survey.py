@@ -80,12 +80,32 @@ def survey_stop_facts(records: list[Record]) -> dict:
     return {"completions": len(completions), "stopped": sum(c["finish_reason"] == "stop" for c in completions)}
 
 
+def survey_words(main: Record) -> str:
+    return f"the survey of host {main.fingerprint.host_id} (vLLM {main.results.vllm_version}, {main.environment})"
+
+
+def false_positive_facts(records: list[Record], threshold: float) -> dict:
+    """How many ordinary stops (speculation left the completion as plain greedy wrote it) the surveys in `records`
+    hold, and how many of them the detector flags at `threshold`."""
+    counts = [survey.tally(r, threshold) for r in records]
+    return {"stops": sum(c["ordinary_stops"] for c in counts), "flagged": sum(c["ordinary_flagged"] for c in counts)}
+
+
+def false_positive_claim(main: Record | None, threshold: float) -> Claim | str:
+    """The detector's false positives among the survey's ordinary stops, naming the survey."""
+    if main is None:
+        return "—"
+    facts, words = false_positive_facts([main], threshold), survey_words(main)
+    return Claim("survey_fp_text", f"{rate_text(facts['flagged'], facts['stops'])} ordinary stops in {words}",
+                 covering([main], words, main.kind), "spectie.guidance_survey:false_positive_facts", facts,
+                 {"threshold": threshold})
+
+
 def survey_stops_claim(main: Record | None) -> Claim | str:
     """How many of the survey's completions ended on a stop token, naming the survey (its host and vLLM)."""
     if main is None:
         return "—"
-    facts = survey_stop_facts([main])
-    words = f"the survey of host {main.fingerprint.host_id} (vLLM {main.results.vllm_version}, {main.environment})"
+    facts, words = survey_stop_facts([main]), survey_words(main)
     return Claim("survey_stops_text", f"in {words}, {facts['stopped']} of {facts['completions']} completions ended "
                  "with a stop token", covering([main], words, main.kind), "spectie.guidance_survey:survey_stop_facts",
                  facts)
@@ -116,7 +136,7 @@ def survey_values(page: Page) -> dict:
         if main else "—",
         "survey_environment": main.environment if main else "—",
         "survey_verdict": survey_verdict(counts), "survey_stops_text": survey_stops_claim(main),
-        "survey_fp_text": rate_text(counts["ordinary_flagged"], counts["ordinary_stops"]) if counts else "—",
+        "survey_fp_text": false_positive_claim(main, page.tie_threshold),
         "survey_resolution": f"{resolution:.3f}" if resolution is not None else "—",
         "survey_min_margin": f"{smallest:.2f}" if smallest is not None else "—",
         "survey_lengths": f"{lengths[0]} to {lengths[-1]}" if lengths else "—",

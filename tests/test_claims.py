@@ -10,7 +10,7 @@ from spectie.record_types import Record
 from spectie.records import load_records, read_stored
 
 # The sentences that state counts, absences or comparisons over runs, as claims, by chapter.
-CLAIMED = {"guidance": {"ends_text", "stops_text", "survey_stops_text", "guard_text"},
+CLAIMED = {"guidance": {"ends_text", "stops_text", "survey_stops_text", "survey_fp_text", "guard_text"},
            "summary": {"commit_text", "path_verdicts", "answer", "strength", "why_strength", "tie_note", "because",
                        "caveats", "not_measured", "gpu_findings", "ngram_advice"}}
 # The unscoped claims that a GPU run's early stop and a bug-class divergence on it must change (the others, such as
@@ -72,12 +72,23 @@ def _bug_verdict(root) -> Record:
     return Record.from_dict(stored)
 
 
+def _other_hosts_surveys(root) -> list[Record]:
+    """Tie-stop surveys of other hosts: a copy of each of the build's, under another host id."""
+    made = []
+    for number, path in enumerate(sorted((root / "results" / "measured").glob("*/guidance/tiestop-survey-*.json"))):
+        stored = read_stored(path)
+        stored["id"] = f"tiestop-survey-cpu-01234567890{number}"
+        stored["fingerprint"].update(host_id=f"01234567890{number}", source_commit=None)
+        made.append(Record.from_dict(stored))
+    return made
+
+
 def test_a_gpu_stop_outside_a_claims_scope_leaves_it_standing_and_dropping_the_scope_breaks_it(book):
-    """A GPU run of another host whose speculative completion stops earlier, and a bug-class divergence on it: each
-    scoped claim still holds (the sentence names the runs it covers, and the new run is not among them), and the
+    """A GPU run of another host whose speculative completion stops earlier, a bug-class divergence on it, and other
+    hosts' surveys: each scoped claim still holds (the sentence names the runs it covers, and the new run is not among them), and the
     same claim without its scope fails. An unscoped claim (every measured record) changes with them."""
     claims, records, root = book
-    more = records + _gpu_runs(root, records) + [_bug_verdict(root)]
+    more = records + _gpu_runs(root, records) + [_bug_verdict(root)] + _other_hosts_surveys(root)
     for claim in claims.values():
         if claim.scope.words:
             assert claim.holds(more), claim.name
