@@ -85,8 +85,8 @@ def _other_hosts_surveys(root) -> list[Record]:
 
 def test_a_gpu_stop_outside_a_claims_scope_leaves_it_standing_and_dropping_the_scope_breaks_it(book):
     """A GPU run of another host whose speculative completion stops earlier, a bug-class divergence on it, and other
-    hosts' surveys: each scoped claim still holds (the sentence names the runs it covers, and the new run is not among them), and the
-    same claim without its scope fails. An unscoped claim (every measured record) changes with them."""
+    hosts' surveys: each scoped claim still holds (the sentence names the runs it covers, and the new ones are not
+    among them), and the same claim without its scope fails. Unscoped claims that rest on such records change."""
     claims, records, root = book
     more = records + _gpu_runs(root, records) + [_bug_verdict(root)] + _other_hosts_surveys(root)
     for claim in claims.values():
