@@ -54,7 +54,7 @@ def test_a_stop_at_the_divergence_is_said_as_stop_against_continue():
 
 def test_a_later_stop_is_said_to_follow_from_the_first_divergence():
     _, explanation = judge(2, "x", "y", 0.05, 0.1, [], [], "b", 7)
-    assert not explanation.startswith("sequence")
+    assert explanation.startswith("at output token 3, 'x' and 'y' are 0.050 logits apart in fp32 (within the 0.100 ")
     assert explanation.endswith("; sequence b later stops (end-of-text at output token 8) where the other goes on: "
                                 "that stop follows from this first divergence, not from a tie of its own")
     _, explanation = judge(2, "x", "y", 0.05, 0.1, [], [], None, None)

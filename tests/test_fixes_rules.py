@@ -83,6 +83,8 @@ def test_a_release_the_ledger_did_not_read_is_said_not_checked_with_the_range_it
                              "title": "title of 41467", "this release": "not checked (the ledger read 0.28.0 to 0.30.0)",
                              "first release with it": "none of those read"}
     assert fixes.fixes_for(record, "0.28.0")[0]["this release"] == "not checked (the ledger read 0.28.0 to 0.30.0)"
+    unread_last = record_of([fix("x", {"0.29.0": "present"}, first="0.29.0")], ["0.28.0", "0.29.0", "0.30.0"])
+    assert fixes.fixes_for(unread_last, "0.30.0")[0]["this release"] == "not checked (the ledger read 0.28.0 to 0.30.0)"
     assert fixes.fixes_for(record, "0.29.5")[0]["this release"] == "not checked (the ledger read 0.28.0 to 0.30.0)"
     assert fixes.fixes_for(record, "0.30.1")[0]["this release"] == (
         "not checked (0.30.1 is newer than the ledger; 0.30.0 and later had it)")
@@ -129,16 +131,20 @@ def test_the_books_values_of_the_ledger_section(monkeypatch):
             "e3": {"named_in_incident": True, "vllm": {}}}
     monkeypatch.setattr(environments, "load_environments", lambda: envs)
     monkeypatch.setattr(fixes, "measured_releases", lambda: {"0.31.0"})
-    record = record_of([fix("51812", {"0.30.0": "absent", "0.31.0": "present"}, first="0.31.0"),
-                        fix("41467", {"0.30.0": "absent", "0.31.0": "absent"})], ["0.30.0", "0.31.0"])
+    releases = ["0.29.0", "0.30.0", "0.31.0"]
+    record = record_of([fix("51812", {"0.29.0": "absent", "0.30.0": "absent", "0.31.0": "present"}, first="0.31.0"),
+                        fix("41467", dict.fromkeys(releases, "absent")), fix("39273", dict.fromkeys(releases, "absent"))],
+                       releases)
     values = fixes.ledger_values(record)
-    assert values.pop("ledger_table")["that release run here on a GPU"].to_dict() == {"51812": "yes", "41467": "—"}
+    assert values.pop("ledger_table")["that release run here on a GPU"].to_dict() == {
+        "51812": "yes", "41467": "—", "39273": "—"}
     assert values == {
         "ledger_failures": "#51812: GDN gates misaligned with speculative tokens in mixed batches; "
-                           "#41467: premature end-of-text under load with MTP",
-        "ledger_range": "0.30.0 to 0.31.0", "ledger_count": 2, "ledger_date": "2026-12-04",
-        "ledger_incident": "vLLM 0.31.0 has 51812; lacks 41467", "ledger_latest": "vLLM 0.31.0 has 51812; lacks 41467",
-        "ledger_never": "41467"}
+                           "#41467: premature end-of-text under load with MTP; #39273: GDN/SSM state read from the wrong "
+                           "slot after accepted drafts (corrupted output with speculation)",
+        "ledger_range": "0.29.0 to 0.31.0", "ledger_count": 3, "ledger_date": "2026-12-04",
+        "ledger_incident": "vLLM 0.31.0 has 51812; lacks 41467, 39273",
+        "ledger_latest": "vLLM 0.31.0 has 51812; lacks 41467, 39273", "ledger_never": "41467, 39273"}
     record = record_of([fix("51812", {"0.30.0": "absent", "0.31.0": "present"}, first="0.31.0")], ["0.30.0", "0.31.0"])
     assert fixes.ledger_values(record)["ledger_never"] == "none"
 

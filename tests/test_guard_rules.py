@@ -12,11 +12,16 @@ from test_guard import DATA, EOS, NAME, completion
 CHAT, COMPLETIONS = guard.CHAT, guard.COMPLETIONS
 
 
+IM_END = 248046  # another special token
+
+
 class Tokens:
-    """Decodes as a tokenizer would: end-of-text is '<eos>', or nothing when special tokens are skipped."""
+    """Decodes as a tokenizer would: end-of-text is '<eos>' and <|im_end|> '<im_end>', or nothing when special tokens
+    are skipped."""
 
     def decode(self, ids, skip_special_tokens=False):
-        return "".join(("" if skip_special_tokens else "<eos>") if i == EOS else f"t{i}" for i in ids)
+        special = {EOS: "<eos>", IM_END: "<im_end>"}
+        return "".join(("" if skip_special_tokens else special[i]) if i in special else f"t{i}" for i in ids)
 
 
 def a_guard(max_resumes=2, max_model_len=64) -> guard.Guard:
@@ -125,19 +130,27 @@ TIE = {f"token_id:{EOS}": -0.6, f"token_id:{DATA}": -0.65, "token_id:5": -2.0}
 
 
 def a_part(last_top=TIE, finish="stop", stop_reason=None, last=EOS) -> guard.Part:
-    steps = [Step(f"token_id:{NAME}", -0.1, {f"token_id:{NAME}": -0.1}), Step(f"token_id:{last}", last_top[f"token_id:{last}"], last_top)]
-    return guard.Part([NAME, last], steps, "t11", finish, stop_reason)
+    """Three output tokens: NAME, NAME, then `last` with `last_top` as its logprobs."""
+    first = Step(f"token_id:{NAME}", -0.1, {f"token_id:{NAME}": -0.1})
+    steps = [first, first, Step(f"token_id:{last}", last_top[f"token_id:{last}"], last_top)]
+    return guard.Part([NAME, NAME, last], steps, "t11t11", finish, stop_reason)
 
 
 def test_the_end_of_text_token_is_replaced_by_the_runner_up_with_its_logprob_and_text():
     replaced = guard._with_runner_up(a_guard(), a_part(), {})
-    assert replaced == guard.Part([NAME, DATA], [a_part().steps[0], Step(f"token_id:{DATA}", -0.65, TIE)],
-                                  "t11t17247", "stop", None)
-    assert guard._with_runner_up(a_guard(), a_part(), {"skip_special_tokens": False}).text == "t11t17247"
+    assert replaced == guard.Part([NAME, NAME, DATA], [*a_part().steps[:2], Step(f"token_id:{DATA}", -0.65, TIE)],
+                                  "t11t11t17247", "stop", None)
+    assert guard._with_runner_up(a_guard(), a_part(stop_reason=7), {}).stop_reason == 7  # kept as it came
+
+
+def test_a_special_runner_up_is_written_as_the_client_asked_special_tokens_to_be():
+    special = {f"token_id:{EOS}": -0.6, f"token_id:{IM_END}": -0.65}
+    assert guard._with_runner_up(a_guard(), a_part(special), {}).text == "t11t11"  # skipped, as vLLM does by default
+    assert guard._with_runner_up(a_guard(), a_part(special), {"skip_special_tokens": False}).text == "t11t11<im_end>"
 
 
 def test_only_a_near_tie_end_of_text_stop_is_resumed():
-    assert guard.near_tie_stop(a_guard(), a_part(), 3) == guard.Resume(4, f"<eos>#{EOS}", f"t{DATA}#{DATA}",
+    assert guard.near_tie_stop(a_guard(), a_part(), 3) == guard.Resume(5, f"<eos>#{EOS}", f"t{DATA}#{DATA}",
                                                                        pytest.approx(0.05))
     below = {f"token_id:{EOS}": -0.7, f"token_id:{DATA}": -0.6}  # end-of-text 0.1 below the runner-up: a near-tie
     assert guard.near_tie_stop(a_guard(), a_part(below), 0).margin == pytest.approx(-0.1)
@@ -148,6 +161,12 @@ def test_only_a_near_tie_end_of_text_stop_is_resumed():
     other = {f"token_id:{NAME}": -0.6, f"token_id:{DATA}": -0.65}
     assert guard.near_tie_stop(a_guard(), a_part(other, last=NAME), 0) is None  # not end-of-text
     assert guard.near_tie_stop(a_guard(), guard.Part([], [], "", "stop", None), 0) is None
+
+
+def test_an_end_of_text_stop_served_with_top1_logprobs_alone_is_refused():
+    with pytest.raises(UsageError) as refused:
+        guard.near_tie_stop(a_guard(), a_part({f"token_id:{EOS}": -0.6}), 0)
+    assert str(refused.value).startswith("completion : the logprobs hold only the chosen token at the stop (top-1)")
 
 
 class Sent:
@@ -220,5 +239,65 @@ def test_a_response_the_guard_cannot_read_is_returned_unchecked(monkeypatch):
     sent = Sent(monkeypatch, unreadable)
     response = guard.complete(a_guard(), COMPLETIONS, {**GREEDY, "max_tokens": 10})
     assert response["guard"]["checked"] is False and response["guard"]["reason"] == NO_LOGPROBS
-    assert sent.bodies[0][1] == {**GREEDY, "max_tokens": 10, "logprobs": 2, "return_token_ids": True,
+    assert sent.bodies[0][0] == COMPLETIONS and sent.bodies[0][1] == {**GREEDY, "max_tokens": 10, "logprobs": 2, "return_token_ids": True,
                                  "return_tokens_as_token_ids": True}
+
+
+def chat_completion(ids: list[int], tops: list[dict[int, float]], finish="stop", prompt=(1, 2, 3), **message) -> dict:
+    """A /v1/chat/completions response as vLLM writes it with logprobs, return_token_ids and token ids as tokens."""
+    def entry(i, lp):
+        return {"token": f"token_id:{i}", "logprob": lp, "bytes": []}
+
+    content = [{**entry(i, top[i]), "top_logprobs": [entry(t, lp) for t, lp in top.items()]} for i, top in zip(ids, tops)]
+    return {"id": "chat-1", "object": "chat.completion", "model": "organism", "prompt_token_ids": list(prompt),
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "x" * len(ids), **message},
+                         "logprobs": {"content": content}, "finish_reason": finish, "stop_reason": None,
+                         "token_ids": ids}]}
+
+
+def test_a_chat_answer_is_resumed_through_completions_with_the_logprobs_it_asked_for(monkeypatch):
+    tie = {EOS: -0.6, DATA: -0.65}
+    sent = Sent(monkeypatch, chat_completion([NAME, EOS], [{NAME: -0.1}, tie]),
+                completion([NAME], [{NAME: -0.1}], finish="length", prompt=(1, 2, 3, NAME, DATA)))
+    body = {"model": "organism", "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "max_tokens": 3,
+            "logprobs": True, "top_logprobs": 5}
+    response = guard.complete(a_guard(), CHAT, body)
+    assert sent.bodies == [
+        (CHAT, {**body, "logprobs": True, "top_logprobs": 5, "return_token_ids": True, "return_tokens_as_token_ids": True}),
+        (COMPLETIONS, {"model": "organism", "temperature": 0, "prompt": [1, 2, 3, NAME, DATA], "max_tokens": 1,
+                       "logprobs": 5, "return_token_ids": True, "return_tokens_as_token_ids": True})]
+    choice = response["choices"][0]
+    assert choice["message"]["content"] == "xxt17247x" and choice["finish_reason"] == "length"
+    assert [e["token"] for e in choice["logprobs"]["content"]] == ["t11", "t17247", "t11"]
+    assert response["guard"]["checked"] and len(response["guard"]["resumed"]) == 1
+
+
+def test_a_chat_answer_the_server_parsed_is_returned_unchecked_as_asked(monkeypatch):
+    parsed = chat_completion([NAME, EOS], [{NAME: -0.1}, {EOS: -0.6, DATA: -0.65}], tool_calls=[{"id": "1"}])
+    Sent(monkeypatch, parsed)
+    body = {"messages": [], "temperature": 0, "logprobs": True, "top_logprobs": 1}
+    response = guard.complete(a_guard(), CHAT, body)
+    assert response["guard"]["checked"] is False and response["guard"]["reason"] == PARSED
+    assert [e["token"] for e in response["choices"][0]["logprobs"]["content"]] == ["t11", "<eos>"]
+
+
+def test_an_echo_request_is_passed_through_unchecked(monkeypatch):
+    sent = Sent(monkeypatch, completion([NAME], [{NAME: -0.1}], finish="length"))
+    response = guard.complete(a_guard(), COMPLETIONS, {**GREEDY, "echo": True})
+    assert response["guard"]["reason"] == "echo or suffix: the guard checks plain completions"
+    assert sent.bodies == [(COMPLETIONS, {**GREEDY, "echo": True})]
+
+
+def test_without_max_tokens_a_completion_is_resumed_up_to_vllms_default_of_16(monkeypatch):
+    sent = Sent(monkeypatch, tie_completion(), completion([NAME], [{NAME: -0.1}], finish="length",
+                                                          prompt=(1, 2, 3, NAME, DATA)))
+    guard.complete(a_guard(), COMPLETIONS, dict(GREEDY))
+    assert sent.bodies[1][0] == COMPLETIONS and sent.bodies[1][1]["max_tokens"] == 14
+
+
+def test_an_unreadable_completion_is_returned_with_its_logprobs_as_text_as_asked(monkeypatch):
+    unreadable = completion([NAME, EOS], [{NAME: -0.1}, {EOS: -0.6, DATA: -0.65}])
+    del unreadable["choices"][0]["token_ids"]
+    Sent(monkeypatch, unreadable)
+    response = guard.complete(a_guard(), COMPLETIONS, {**GREEDY, "logprobs": 1})
+    assert response["choices"][0]["logprobs"]["tokens"] == ["t11", "<eos>"]

@@ -24,6 +24,9 @@ def test_the_reference_signs_the_margins_as_end_of_text_over_its_rival():
                               {"dtype": "bf16", "winner": "<|endoftext|>", "logits": {"<|endoftext|>": 3.0, "x": 2.5}}])
     assert thresholds.reference(record) == Reference(("<|endoftext|>", "x"), 1.0, 0.5, None, "s")
     assert not thresholds.reference(record).flipped
+    record = comparison("t", [{"dtype": "fp32", "winner": "EOS", "logits": {"EOS": 3.0, "DATA": 2.0}},
+                              {"dtype": "bf16", "winner": "DATA", "logits": {"EOS": 3.0, "DATA": 3.5}}])
+    assert thresholds.reference(record) == Reference(("EOS", "DATA"), 1.0, -0.5, None, "t")
 
 
 def test_the_reported_swing_says_where_it_is_from():
@@ -39,6 +42,15 @@ def test_without_weights_or_records_the_threshold_is_the_reported_swing():
     swing = thresholds.reported_swing()
     assert thresholds.default_threshold(digest="aaaaaaaaaaaa", records=[]) == swing
     assert thresholds.default_threshold(digest=None, records=[]) == swing
+
+
+def test_the_records_given_are_the_only_band_points_read(monkeypatch):
+    from spectie import bands
+
+    points = [{"band": 0.3, "dtype": "bfloat16", "tf32": False, "model_sha256": "aaa", "gpu": None, "label": "x"}]
+    monkeypatch.setattr(bands, "recorded_band_points", lambda: points)
+    assert thresholds.default_threshold(digest="aaa") == (0.3, "bf16 noise band of x")
+    assert thresholds.default_threshold(digest="aaa", records=[]) == thresholds.reported_swing()
 
 
 def test_a_band_point_of_no_named_weights_is_never_the_band(monkeypatch):
@@ -62,6 +74,15 @@ def test_the_recorded_logits_are_the_largest_in_magnitude_of_these_weights_compa
     assert thresholds.recorded_logits("abc", records) == (25.0, "m")
     assert thresholds.recorded_logits(None, records) is None
     assert thresholds.recorded_logits("abc", []) is None
+
+
+def test_without_records_given_the_recorded_logits_are_read_from_the_logit_comparisons(monkeypatch):
+    from spectie import records
+
+    asked = []
+    found = [comparison("m", [{"logits": {"EOS": -25.0}}])]
+    monkeypatch.setattr(records, "load_records", lambda **kw: asked.append(kw) or found)
+    assert thresholds.recorded_logits("abc") == (25.0, "m") and asked == [{"kind": "logit-comparison"}]
 
 
 def test_a_band_as_wide_as_one_step_is_kept():
