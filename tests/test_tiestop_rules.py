@@ -149,3 +149,61 @@ def test_every_line_of_a_jsonl_log_is_read_and_named_by_file_and_line(tmp_path):
     path = tmp_path / "log.jsonl"
     path.write_text(f"{line}\n\n{line}\n")
     assert [c.request for c in tiestop.read_jsonl(str(path))] == ["log.jsonl:1/0", "log.jsonl:3/0"]
+
+
+def test_a_decoded_token_with_a_line_break_is_still_read_by_its_id():
+    stops = EndOfText(frozenset({248044}), frozenset({"<|endoftext|>"}))
+    assert stops.matches("\n#248044") and not stops.matches("\n#5")
+
+
+def test_the_threshold_must_be_a_margin_of_zero_or_more():
+    [completion] = tiestop.from_openai(chat([{"token": "a", "logprob": -0.5, "top_logprobs": [
+        {"token": "a", "logprob": -0.5}, {"token": "b", "logprob": -0.5}]}]))
+    assert refusal(tiestop.check, completion, -0.1) == "the threshold must be a margin in logits >= 0, got -0.1"
+    assert refusal(tiestop.check, completion, float("nan")) == "the threshold must be a margin in logits >= 0, got nan"
+    assert tiestop.check(completion, 0.0).flagged  # an exact tie is a near-tie at a threshold of 0
+
+
+def test_a_stop_string_stop_is_not_flagged():
+    stopped = Completion([Step("a", -0.5, {"a": -0.5, "b": -0.5})], "stop", "test", stop_reason="\n")
+    assert tiestop.check(stopped, 0.5).flagged is False
+
+
+def completion_logprobs(**logprobs) -> dict:
+    return {"choices": [{"index": 0, "finish_reason": "stop", "logprobs": logprobs}]}
+
+
+@pytest.mark.parametrize("logprobs, said", [
+    ({"token_logprobs": []}, ": completion logprobs without 'tokens'"),
+    ({"tokens": []}, ": completion logprobs without 'token_logprobs'"),
+    ({"tokens": "ab", "token_logprobs": []}, ".tokens: expected a list, got str \"ab\""),
+    ({"tokens": [], "token_logprobs": 1}, ".token_logprobs: expected a list, got int 1"),
+    ({"tokens": [], "token_logprobs": [], "top_logprobs": "x"}, ".top_logprobs: expected a list, got str \"x\""),
+    ({"tokens": ["a", "b"], "token_logprobs": [-0.1]}, ": 2 tokens but 1 token_logprobs and 0 top_logprobs"),
+    ({"tokens": ["a", "b"], "token_logprobs": [-0.1, -0.2], "top_logprobs": [{}]},
+     ": 2 tokens but 2 token_logprobs and 1 top_logprobs"),
+    ({"tokens": ["a"], "token_logprobs": [-0.1], "top_logprobs": [3]}, ".top_logprobs[0]: expected an object, got int 3"),
+    ({"tokens": [4], "token_logprobs": [-0.1]}, ".tokens[0]: expected a token (text), got int 4"),
+    ({"tokens": ["a"], "token_logprobs": ["x"]}, ".token_logprobs[0]: expected a number, got str \"x\""),
+    ({"tokens": ["a"], "token_logprobs": [-0.1], "top_logprobs": [{5: -0.1}]},
+     ".top_logprobs[0] key: expected a token (text), got int 5"),
+    ({"tokens": ["a"], "token_logprobs": [-0.1], "top_logprobs": [{"a": None}]},
+     ".top_logprobs[0]['a']: expected a number, got NoneType null"),
+])
+def test_a_malformed_completion_logprob_is_refused_naming_where(logprobs, said):
+    assert refusal(tiestop.from_openai, completion_logprobs(**logprobs)) == f"response: choices[0].logprobs{said}"
+
+
+def test_completion_logprobs_without_alternatives_have_steps_with_none():
+    [bare] = tiestop.from_openai(completion_logprobs(tokens=["a", "b"], token_logprobs=[-0.1, -0.2]))
+    assert bare.steps == [Step("a", -0.1, {}), Step("b", -0.2, {})]
+    [gap] = tiestop.from_openai(completion_logprobs(tokens=["a", "b"], token_logprobs=[-0.1, -0.2],
+                                                     top_logprobs=[None, {"b": -0.2, "c": -0.3}]))
+    assert gap.steps == [Step("a", -0.1, {}), Step("b", -0.2, {"b": -0.2, "c": -0.3})]
+
+
+def test_the_stop_margin_of_a_record_replaces_its_last_step_only():
+    [completion] = tiestop.from_record(reproduction([{**REPEAT, "token_ids": [5, 6, 7], "top2_margins": [1.5, 2.0, None]}]))
+    assert completion.steps == [Step("#5", 0.0, {"#5": 0.0, "runner-up": -1.5}),
+                                Step("#6", 0.0, {"#6": 0.0, "runner-up": -2.0}),
+                                Step("<|endoftext|>#7", 0.0, {"<|endoftext|>#7": 0.0, "DATA#17247": -0.125})]
