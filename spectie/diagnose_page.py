@@ -117,6 +117,50 @@ def verdict_text(verdicts: dict, rows: list[dict], threshold: float) -> str:
     return "; ".join(parts)
 
 
+def stops_to_reference(records: list[Record]) -> dict[str, tuple[int, ...]]:
+    """The stops worth a reference: each configuration's first repeat that ended on a stop (plain greedy's, and every
+    one that stopped earlier than it), as its output tokens up to and with the stop token; one per distinct output."""
+    base = baseline_of(records)
+    first = base.results.repeats[0] if base and base.results.repeats else None
+    chosen: dict[tuple[int, ...], str] = {}
+    for r in records:
+        repeat = (r.results.repeats or [None])[0]
+        if repeat and repeat["finish_reason"] == "stop" and (r is base or stopped_earlier(repeat, first)):
+            chosen.setdefault(tuple(repeat["token_ids"]), r.parameters.configuration)
+    return {configuration: tokens for tokens, configuration in chosen.items()}
+
+
+def stop_references(model_path: str, prompt: list[int], stops: dict[str, tuple[int, ...]], device: str) -> dict:
+    """At each stop (the last of its tokens), fp32's and bf16's margin of the stop token over the best other token,
+    from the same context (transformers, teacher-forced, one model per precision): configuration -> margins."""
+    from spectie.model import load_model, teacher_forced_logits
+    from spectie.tokenizer import model_tokenizer
+
+    found = {configuration: {"position": len(tokens)} for configuration, tokens in stops.items()}
+    for dtype, name in (("float32", "fp32"), ("bfloat16", "bf16")):
+        model = load_model(model_path, dtype, device) if stops else None
+        for configuration, tokens in stops.items():
+            ids = list(prompt) + list(tokens)
+            row = teacher_forced_logits(model, ids, [len(ids) - 1])[0]
+            stop, others = ids[-1], row.clone()
+            others[stop] = float("-inf")
+            found[configuration][name] = float(row[stop] - others.max())
+            found[configuration]["runner_up"] = model_tokenizer(model_path).decode([int(others.argmax())])
+    return found
+
+
+def references_text(found: dict, band: float, origin: str) -> str:
+    """The references at each stop against the noise band recorded for these weights."""
+    if not found:
+        return "no stop to reference: no configuration's first repeat stopped"
+    return "; ".join(
+        f"at {configuration}'s stop (output token {ref['position']}), the stop token "
+        f"{'leads' if ref['fp32'] >= 0 else 'trails'} {ref['runner_up']!r} by {abs(ref['fp32']):.3f} logits in fp32, "
+        f"and {'leads' if ref['bf16'] >= 0 else 'trails'} it by {abs(ref['bf16']):.3f} in bf16: "
+        f"{'inside' if abs(ref['fp32']) <= band else 'outside'} the noise band of {band:.3f} ({origin})"
+        for configuration, ref in found.items())
+
+
 def ledger_text(version: str) -> str:
     """Which public fixes for GDN state under speculation (#39273) the release carries (the committed ledger)."""
     from spectie.fixes import ledger_record, pull_requests_text
@@ -182,9 +226,13 @@ def page_values(records: list[Record], diagnosis) -> dict:
 
     from spectie import reproduce
     from spectie.records import provenance_line
-    from spectie.thresholds import detector_threshold_for_model
+    from spectie.thresholds import detector_threshold_for_model, threshold_for_model
 
-    threshold, origin = detector_threshold_for_model(diagnosis.model_path, diagnosis.device)
+    # the bands recorded for these weights on this machine's device (the one the classifier's reference runs on)
+    threshold, origin = detector_threshold_for_model(diagnosis.model_path)
+    band, band_origin = threshold_for_model(diagnosis.model_path)
+    found = stop_references(diagnosis.model_path, list(diagnosis.prompt), stops_to_reference(records),
+                            diagnosis.device)
     rows = configuration_rows(records, threshold)
     verdicts = classified(records, diagnosis.device)
     plain = plain_text(records, threshold)
@@ -193,6 +241,7 @@ def page_values(records: list[Record], diagnosis) -> dict:
                                  {c: v.verdict.short for c, v in verdicts.items()})
     return {"diagnosis_plan": diagnosis.describe(), "reproduces": reproduces_text(rows), "plain": plain,
             "verdict": verdict_text(verdicts, rows, threshold), "advice": advice_text(rows, verdicts, plain),
+            "references": references_text(found, band, band_origin),
             "threshold": threshold, "threshold_origin": origin, "ledger": ledger_text(version),
             "response_check": response_text(diagnosis, threshold),
             "configurations_table": pd.DataFrame(rows).style.format(precision=3, na_rep="—").hide(axis="index"),
