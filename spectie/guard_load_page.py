@@ -213,20 +213,30 @@ def device_totals(records: list[Record]) -> dict:
             "levels": sorted({row["level"] for row in rows})}
 
 
-def summary_values(records: list[Record]) -> dict:
-    """The first page's line on the guard under load, per device, and whether any GPU measured it."""
+def load_facts(records: list[Record]) -> dict:
+    """What the first page's line on the guard under load states: per device its totals, and whether a GPU ran it."""
     loads = [r for r in records if r.kind == KIND]
+    return {"devices": {device: device_totals(rs) for device, rs in by_device(loads).items()},
+            "gpu": any(is_gpu(r) for r in loads)}
+
+
+def summary_values(records: list[Record]) -> dict:
+    """The first page's line on the guard under load, per device, and whether any GPU measured it (a claim over every
+    load record: a GPU's would change it)."""
+    from spectie.claims import Claim, Scope
+
+    facts = load_facts(records)
     lines = []
-    for device, rs in by_device(loads).items():
-        t = device_totals(rs)
+    for device, t in facts["devices"].items():
         lines.append(f"{device}: near-tie end-of-text stops reached the client in {t['straight']} answers straight "
                      f"and {t['guarded']} through the guard ({t['answers']} answers at "
                      f"{', '.join(map(str, t['levels']))} requests in flight; {t['resumed']} resumed, "
                      f"{t['errors']} errors; measured)")
-    if not any(is_gpu(r) for r in loads):
+    if not facts["gpu"]:
         lines.append("not measured on a GPU yet (make run CHAPTER=guidance ENV=v0.32.0-h100 "
                      "PARAMS=environments/runs/v0.32.0-h100-guard-load.yaml runs it on an H100 or H200)")
-    return {"guard_devices": "; ".join(lines) if lines else NOT_RUN}
+    return {"guard_devices": Claim("guard_devices", "; ".join(lines) if lines else NOT_RUN, Scope("", KIND),
+                                   "spectie.guard_load_page:load_facts", facts)}
 
 
 def added_latency(records: list[Record]) -> dict[int, tuple[float, float]]:

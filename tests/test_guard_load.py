@@ -70,4 +70,4 @@ def test_what_load_and_prefix_caching_changed_is_counted_against_the_right_refer
     assert "0 of 1 answers under load differed" in calm and "prefix caching on" not in calm
     assert "changed answers there" in guard_load_page.checklist_text([plain, mtp, cached])
     assert "neither load nor prefix caching changed an answer" in guard_load_page.checklist_text([plain])
-    assert "not measured on a GPU yet" in guard_load_page.summary_values([plain, mtp])["guard_devices"]
+    assert "not measured on a GPU yet" in guard_load_page.summary_values([plain, mtp])["guard_devices"].text
