@@ -33,6 +33,7 @@ EQUIVALENT = {
     "spectie.guard.x_near_tie_stop__mutmut_22": _NO_REASON,
     "spectie.guard.x_near_tie_stop__mutmut_26": _NO_REASON,
     "spectie.guard.x__continuation__mutmut_16": "_extras tells only CHAT apart: None and COMPLETIONS ask for the same",
+    "spectie.tiestop.x_runner_up__mutmut_6": 'float("NAN") is the same NaN as float("nan")',
     "spectie.tiestop.xǁEndOfTextǁmatches__mutmut_4": "a stop_reason that is no integer, added to the ids, matches no "
                                                      "token id (only integers are looked up in them)",
 }

@@ -1,6 +1,8 @@
 """The tie-stop detector's readers and rules on inputs written out here: vLLM RequestOutputs, reproduction records,
-JSONL logs and malformed responses, each refused with where it is wrong. Expected values are written out by hand."""
+JSONL logs and malformed responses, each refused with where it is wrong; its verdicts in words; the end-of-text tokens
+it reads from a model folder. Expected values are written out by hand."""
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -207,3 +209,111 @@ def test_the_stop_margin_of_a_record_replaces_its_last_step_only():
     assert completion.steps == [Step("#5", 0.0, {"#5": 0.0, "runner-up": -1.5}),
                                 Step("#6", 0.0, {"#6": 0.0, "runner-up": -2.0}),
                                 Step("<|endoftext|>#7", 0.0, {"<|endoftext|>#7": 0.0, "DATA#17247": -0.125})]
+
+
+def stop(margin: float, finish="stop", stop_reason=None, token="E") -> Completion:
+    """A one-token completion ending on `token`, `margin` logits over (or under) its runner-up 'D'."""
+    return Completion([Step(token, -1.0, {token: -1.0, "D": -1.0 - margin})], finish, "test", stop_reason=stop_reason)
+
+
+BELOW = ("sampling, a logit bias or penalty, or a bug forcing the stop (the premature end-of-text of vLLM #41467) "
+         "chose it, not greedy decoding; ")
+
+
+@pytest.mark.parametrize("margin, threshold, explanation", [
+    (-10.5, 0.5, f"the stop token 'E' is 10.500 logits below 'D' in the logprobs: {BELOW}outside the noise band, not a "
+                 "tie: compare with plain greedy (spectie classify)"),
+    (-0.25, 0.5, f"the stop token 'E' is 0.250 logits below 'D' in the logprobs: {BELOW}within the noise band, a "
+                 "near-tie either way"),
+    (0.0, 0.5, "the stop token 'E' won by 0.000 logits over 'D': inside the noise band, a near-tie another computation "
+               "shape could flip"),
+    (0.75, 1.0, "the stop token 'E' won by 0.750 logits over 'D': inside the noise band, a near-tie another computation "
+                "shape could flip"),
+    (2.0, 1.0, "the stop token 'E' won by 2.000 logits over 'D': outside the noise band"),
+])
+def test_each_verdict_says_how_far_the_stop_won_or_lost_and_what_that_means(margin, threshold, explanation):
+    assert tiestop.check(stop(margin), threshold).explanation == explanation
+
+
+def test_what_is_no_stop_or_a_stop_string_is_said_and_never_flagged():
+    verdict = tiestop.check(stop(0.0, finish="length"), 0.5)
+    assert verdict.flagged is False and verdict.explanation == "finish_reason 'length': no stop to check"
+    verdict = tiestop.check(stop(0.0, stop_reason="\n"), 0.5)
+    assert verdict.flagged is False and verdict.explanation == (
+        "stopped by the stop string '\\n' the caller gave, not by a token the model chose to end with: not a tie question")
+
+
+def test_a_stop_on_the_callers_stop_token_id_is_read_and_any_other_token_is_not():
+    stops = EndOfText(frozenset({1}), frozenset({"<e>"}))
+    assert tiestop.check(stop(0.1, stop_reason=17, token="x#17"), 0.5, stops).margin == pytest.approx(0.1)
+    verdict = tiestop.check(stop(0.1, token="x#17"), 0.5, stops)
+    assert verdict.margin is None and verdict.unread and verdict.explanation == (
+        "the last token with logprobs, 'x#17', is not an end-of-text token of the model (<e> (ids 1)): the logprobs do "
+        "not reach the token that stopped generation, so its margin cannot be read")
+
+
+
+
+def test_an_openai_choice_is_named_by_the_request_else_the_response_id_and_its_index():
+    response = {"id": "cmpl-9", "choices": [{"finish_reason": "length"}, {"index": 4, "finish_reason": None}]}
+    assert [c.request for c in tiestop.from_openai(response)] == ["cmpl-9/0", "cmpl-9/4"]
+    assert [c.request for c in tiestop.from_openai(response, "log:3")] == ["log:3/0", "log:3/4"]
+    del response["id"]
+    [first, second] = tiestop.from_openai(response)
+    assert first == Completion([], "length", "openai completion", "/0", None) and second.finish_reason is None
+
+
+def test_a_malformed_openai_choice_is_refused_naming_where():
+    assert refusal(tiestop.from_openai, {"choices": 3}) == "response: choices: expected a list, got int 3"
+    assert refusal(tiestop.from_openai, {"choices": [1]}) == "response: choices[0]: expected an object, got int 1"
+    assert refusal(tiestop.from_openai, {"choices": [{"logprobs": "x"}]}) == "response: choices[0].logprobs: expected an object, got str \"x\""
+    assert refusal(tiestop.from_openai, {"choices": [{"finish_reason": 3}]}) == "response: choices[0].finish_reason: expected text or null, got int 3"
+
+
+def model_folder(tmp_path, eos, added=None):
+    added = added if added is not None else [{"id": 7, "content": "<a>", "special": True},
+                                             {"id": 8, "content": "c", "special": False},
+                                             {"id": 9, "content": "<b>", "special": True}]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"version": "1.0", "added_tokens": added, "model": {"vocab": {}}}))
+    return tmp_path
+
+
+@pytest.mark.parametrize("eos, expected", [
+    ([7, 9], EndOfText(frozenset({7, 9}), frozenset({"<a>", "<b>"}))),
+    (7, EndOfText(frozenset({7}), frozenset({"<a>"}))),
+    (8, None),  # not a special token: its text is whatever the tokenizer decodes it to
+    ([7, 8], None), ([], None), (None, None), (["7"], None), ([7, True], None), ("7", None),
+])
+def test_the_end_of_text_tokens_of_a_folder_that_names_special_tokens(tmp_path, eos, expected):
+    assert tiestop.special_end_of_text(model_folder(tmp_path, eos)) == expected
+
+
+def test_a_folder_that_does_not_say_it_that_way_has_no_special_end_of_text(tmp_path):
+    assert tiestop.special_end_of_text(tmp_path) is None  # no files
+    model_folder(tmp_path, [7])
+    (tmp_path / "generation_config.json").write_text("{not json")
+    assert tiestop.special_end_of_text(tmp_path) is None
+    model_folder(tmp_path, [7])
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {}}))  # no added tokens
+    assert tiestop.special_end_of_text(tmp_path) is None
+    assert tiestop.special_end_of_text(model_folder(tmp_path, [7], added=[{"id": 7, "content": "<a>"}])) is None
+
+
+def test_without_special_tokens_the_end_of_text_is_read_through_the_tokenizer(monkeypatch, tmp_path):
+    from spectie import model, tokenizer
+
+    class Tokens:
+        def decode(self, ids):
+            return "".join(f"d{i}" for i in ids)
+
+        def convert_ids_to_tokens(self, ids):
+            return [f"c{i}" for i in ids]
+
+    asked = []
+    monkeypatch.setattr(tokenizer, "model_tokenizer", lambda path: asked.append(path) or Tokens())
+    monkeypatch.setattr(model, "end_of_text_ids", lambda path, tokens: [3, 4] if isinstance(tokens, Tokens) else [])
+    assert tiestop.end_of_text(str(tmp_path)) == EndOfText(frozenset({3, 4}), frozenset({"d3", "d4", "c3", "c4"}))
+    assert asked == [str(tmp_path)]
+    assert tiestop.end_of_text(str(model_folder(tmp_path, 7))) == EndOfText(frozenset({7}), frozenset({"<a>"}))
+    assert len(asked) == 1  # a folder that names its special tokens needs no tokenizer
