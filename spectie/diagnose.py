@@ -173,9 +173,11 @@ def check_device(device: str) -> None:
 
 
 def make_diagnosis(request_path: str | Path, model: str = "organism", environment: str = "cpu", *,
-                   line: int | None = None, repeats: int = 10, device: str = "cpu") -> Diagnosis:
+                   line: int | None = None, repeats: int = 10, device: str = "cpu",
+                   parallel: int | None = None) -> Diagnosis:
     """Everything a diagnosis needs, checked in order of cost (the request, the device, the environment, the model,
-    the installed vLLM, the prompt against the engines' context): a UsageError before any weight loads."""
+    the installed vLLM, the prompt against the engines' context): a UsageError before any weight loads. `parallel`:
+    engines at once (None: the environment's matrix's own)."""
     from spectie import qwen_shapes
     from spectie.engines import checks
     from spectie.engines.plan import choose_matrix, extra_engine_arguments
@@ -188,7 +190,7 @@ def make_diagnosis(request_path: str | Path, model: str = "organism", environmen
         raise UsageError(f"repeats must be an integer >= 1, got {repeats!r}")
     check_device(device)
     env = get_environment(environment)
-    matrix = request_matrix(choose_matrix(env, "auto"), request, repeats)
+    matrix = request_matrix(choose_matrix(env, "auto", parallel=parallel), request, repeats)
     extra = extra_engine_arguments(env, {}, 1)
     checks.check_devices(env, 1)
     matrix, extra = checks.split_over_cores(env, matrix, extra)
@@ -229,7 +231,7 @@ def page_name(request_path: str | Path) -> str:
 
 def write_page(request_path: str | Path, model: str = "organism", environment: str = "cpu", *, line: int | None = None,
                repeats: int = 10, device: str = "cpu", name: str | None = None, out: Path | None = None,
-               log=print) -> Path:
+               parallel: int | None = None, log=print) -> Path:
     """Check everything (`make_diagnosis`, and this host against the environment), then execute the diagnosis page
     (notebooks/diagnose.ipynb) into `out` (default _build/diagnose/<name>/) with its records beside it, and render
     it as HTML: the page's path."""
@@ -240,14 +242,15 @@ def write_page(request_path: str | Path, model: str = "organism", environment: s
     from spectie.chapters import Chapter, execute
     from spectie.paths import project_root
 
-    diagnosis = make_diagnosis(request_path, model, environment, line=line, repeats=repeats, device=device)
+    diagnosis = make_diagnosis(request_path, model, environment, line=line, repeats=repeats, device=device,
+                               parallel=parallel)
     for said in host.check("reproduce", diagnosis.environment, {"model": model, "device": device}):
         log(f"host check: {said}")
     log(diagnosis.describe())
     root = project_root()
     out = out or root / "_build" / "diagnose" / (name or page_name(request_path))
     parameters = {"request": str(Path(request_path).resolve()), "line": line, "model": model,
-                  "environment": environment, "repeats": repeats, "device": device,
+                  "environment": environment, "repeats": repeats, "device": device, "parallel": parallel,
                   "results_dir": str(out / "results")}
     page = execute(Chapter("diagnose", "notebooks/diagnose.ipynb", (), "one request, diagnosed"), parameters,
                    output=out / "diagnose.ipynb")
