@@ -750,7 +750,7 @@ def test_make_run_on_a_random_weight_checkpoint_loads_it_with_its_mtp_head(tmp_p
     root = copy_project(tmp_path / "project", probes=True)
     (root / "artifacts").symlink_to(ROOT / "artifacts")
     params = tmp_path / "small.yaml"
-    params.write_text("configurations: [mtp-k3]\nrepeats: 1\nmax_tokens: 16\nignore_eos: true\nparallel: 1\n"
+    params.write_text("configurations: [mtp-k3]\nrepeats: 1\nmax_tokens: 16\nignore_eos: true\nparallel: 2\n"
                       "prompt_tokens: 256\n")
     run = subprocess.run(["make", "run", "CHAPTER=reproduce", f"PARAMS={params}", "ENV=cpu", f"MODEL={folder}",
                           f"VENV={Path(sys.prefix)}"], cwd=root, capture_output=True, text=True, timeout=900)

@@ -28,18 +28,26 @@ def start(command: list[str], log) -> subprocess.Popen:
 
 
 @contextlib.contextmanager
-def started_servers(logs, speculative):
-    """`vllm serve` of the organism (with `speculative`, or plain) and `spectie guard serve` in front of it:
-    {"server": url, "guard": url} while the block runs."""
-    ports = {name: free_port() for name in ("server", "guard")}
+def started_servers(logs, configurations: dict):
+    """`vllm serve` of the organism for each of `configurations` ({name: speculative config, or None for plain}),
+    all starting at once, and `spectie guard serve` in front of each: {name: url, name + " guard": url} while the
+    block runs."""
+    names = [*configurations, *(f"{name} guard" for name in configurations)]
+    ports = {name: free_port() for name in names}
     urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
-    processes = {"server": start(serve_command(sys.executable, resolve_model("organism"), ports["server"], speculative),
-                                 logs / "server.log")}
+    processes = {}
     try:
-        wait_until_up(processes["server"], urls["server"], logs / "server.log")
-        processes["guard"] = start([sys.executable, "-m", "spectie", "guard", "serve", "--upstream", urls["server"],
-                                    "--model", "organism", "--port", str(ports["guard"])], logs / "guard.log")
-        wait_until_up(processes["guard"], urls["guard"], logs / "guard.log", 120)
+        for name, speculative in configurations.items():
+            command = serve_command(sys.executable, resolve_model("organism"), ports[name], speculative)
+            processes[name] = start(command, logs / f"{name}.log")
+        for name in configurations:
+            wait_until_up(processes[name], urls[name], logs / f"{name}.log")
+            guard_name = f"{name} guard"
+            processes[guard_name] = start([sys.executable, "-m", "spectie", "guard", "serve", "--upstream", urls[name],
+                                           "--model", "organism", "--port", str(ports[guard_name])],
+                                          logs / f"{guard_name}.log")
+        for name in configurations:
+            wait_until_up(processes[f"{name} guard"], urls[f"{name} guard"], logs / f"{name} guard.log", 120)
         yield urls
     finally:
         for process in processes.values():
@@ -50,33 +58,43 @@ def started_servers(logs, speculative):
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    """The MTP server (one speculative token) and `spectie guard serve` in front of it: {"mtp": url, "mtp guard": url}."""
-    with started_servers(tmp_path_factory.mktemp("serve"), SPECULATIVE) as urls:
-        yield {"mtp": urls["server"], "mtp guard": urls["guard"]}
-
-
-@pytest.fixture(scope="module")
-def near_tie(request, servers, tmp_path_factory):
+def tie(request):
     """This host's near-tie stop from its survey (conftest.survey_near_tie) at the guard's own threshold for the
-    organism, and servers of the configuration that made it (the MTP ones, or a plain `vllm serve` and a guard in
-    front of it): (prompt, the stop, the threshold, {"server": url, "guard": url}). Skipped, saying so, where this
-    host's survey has none."""
+    organism: (configuration, prompt, the stop, the threshold), or None where this host's survey has none."""
     from spectie.thresholds import detector_threshold_for_model
 
     threshold = detector_threshold_for_model(resolve_model("organism"))[0]
     record = this_hosts_survey(request)
     found = survey_near_tie(record, threshold)
     if found is None:
-        pytest.skip(f"this host's survey ({record.id}) has no stop on end-of-text within {threshold:g} logits: no "
-                    "near-tie to serve here")
+        return record.id, None
     configuration, (tokens, seed), stop = found
-    prompt = organism_prompt(tokens, seed)
-    if configuration == "mtp-k1":
-        yield prompt, stop, threshold, {"server": servers["mtp"], "guard": servers["mtp guard"]}
-        return
-    with started_servers(tmp_path_factory.mktemp("serve-plain"), None) as urls:
-        yield prompt, stop, threshold, urls
+    return record.id, (configuration, organism_prompt(tokens, seed), stop, threshold)
+
+
+@pytest.fixture(scope="module")
+def servers(tie, tmp_path_factory):
+    """The MTP server (one speculative token) and, where this host's near-tie stop was plain greedy's, a plain one,
+    both starting at once, each with `spectie guard serve` in front: {"mtp": url, "mtp guard": url, ...}."""
+    configurations = {"mtp": SPECULATIVE}
+    if tie[1] is not None and tie[1][0] != "mtp-k1":
+        configurations["plain"] = None
+    with started_servers(tmp_path_factory.mktemp("serve"), configurations) as urls:
+        yield urls
+
+
+@pytest.fixture(scope="module")
+def near_tie(tie, servers):
+    """This host's near-tie stop and the servers of the configuration that made it (the MTP ones, or a plain
+    `vllm serve` and a guard in front of it): (prompt, the stop, the threshold, {"server": url, "guard": url}).
+    Skipped, saying so, where this host's survey has none."""
+    survey, found = tie
+    if found is None:
+        pytest.skip(f"this host's survey ({survey}) has no stop on end-of-text within the guard's threshold: no "
+                    "near-tie to serve here")
+    configuration, prompt, stop, threshold = found
+    name = "mtp" if configuration == "mtp-k1" else "plain"
+    return prompt, stop, threshold, {"server": servers[name], "guard": servers[f"{name} guard"]}
 
 
 def post(url: str, body: dict) -> dict:
@@ -121,14 +139,9 @@ def test_real_vllm_serve_responses_are_read(servers, tmp_path):
     result = run_cli("tiestop", str(responses), "--json", "--model", "organism")
     verdicts = [json.loads(line) for line in result.stdout.splitlines()]
     assert len(verdicts) == 3 and result.returncode == (1 if any(v["flagged"] for v in verdicts) else 0), result.stderr
-    for verdict, parsed in zip(verdicts, (read_completion, read_chat)):
-        assert verdict["finish_reason"] == parsed.finish_reason
-        if verdict["finish_reason"] == "stop":  # an end-of-text stop within 24 tokens: judged at its position
-            assert verdict["position"] == len(parsed.steps) - 1 and verdict["margin"] >= 0
-            assert verdict["runner_up"] is not None
-        else:  # ran to max_tokens (what the organism does here): nothing stopped, so nothing is judged or flagged
-            assert verdict["finish_reason"] == "length" and len(parsed.steps) == 24
-            assert verdict["margin"] is None and not verdict["flagged"]
+    for verdict, parsed in zip(verdicts, (read_completion, read_chat)):  # the organism runs on here (no stop)
+        assert verdict["finish_reason"] == parsed.finish_reason == "length" and len(parsed.steps) == 24
+        assert verdict["margin"] is None and verdict["position"] is None and not verdict["flagged"]
     assert read_by_token.stop_reason == 198 and verdicts[2]["finish_reason"] == "stop"
     assert verdicts[2]["stop_token"] == "\n" and verdicts[2]["margin"] is not None and not verdicts[2]["flagged"]
     # A logit bias (the detector's negative margins: tests/test_tiestop.py) is refused under speculative decoding,
