@@ -32,6 +32,8 @@ DEFAULT_GLIBC = (2, 28)  # manylinux_2_28: what vLLM's and torch's Linux wheels 
 def target(env: dict, python: str | None = None) -> tuple[str, tuple[int, int]]:
     """The GPU host's Python (major.minor) and glibc, from the environment's file (`software`), else `python`."""
     software = env.get("software") or {}
+    if python is not None and not re.fullmatch(r"\d+\.\d+", python):
+        raise UsageError(f"--python must be the GPU host's Python as major.minor (e.g. 3.12), got {python!r}")
     version = python or software.get("python")
     match = re.match(r"^(\d+)\.(\d+)", str(version or ""))
     if not match:
@@ -46,6 +48,9 @@ def requirements(env: dict) -> tuple[list[str], bool]:
     from spectie.paths import project_root
 
     version = (env.get("vllm") or {}).get("version")
+    if (env.get("vllm") or {}).get("package"):
+        raise UsageError(f"environment {env['id']!r} runs {env['vllm']['package']} (installed by make setup), not the "
+                         "CUDA release a wheelhouse carries to a GPU host")
     if (env.get("vllm") or {}).get("commit") or not version:
         raise UsageError(f"environment {env['id']!r} pins a vLLM commit, not a release: its wheel comes from "
                          "wheels.vllm.ai (make venv ENV=... VLLM_COMMIT=...), so the wheelhouse has no release to fetch")
@@ -137,7 +142,8 @@ def build(environment: str, out: str | Path, part_mib: int | None = None, python
         raise UsageError(f"PART_MIB must be a whole number of MiB >= 1, got {part_mib}")
     wheels.mkdir(parents=True, exist_ok=True)
     log(f"wheelhouse: {environment} (vLLM {env['vllm']['version']}) into {out}")
-    subprocess.run(command, check=True)
+    if subprocess.run(command).returncode != 0:
+        raise RuntimeError(f"pip download of {environment}'s wheels failed (its output above); nothing written")
     pins, with_dependencies = requirements(env)
     files = sorted(wheels.glob("*.whl"))
     if not with_dependencies:  # exactly the lock's wheels (an earlier download into OUT may have left others)
@@ -170,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -41,14 +41,18 @@ def own_records(root: Path, pattern: str) -> list[Path]:
     return []
 
 
+def this_hosts_records(request, pattern: str) -> list[Path]:
+    """This host's record files matching `pattern` ("margins/*.json"; see own_records): the checkout's own where
+    this host's (or an identical host's) are committed, else those the book's build measured (the `built` fixture,
+    which is then built; a test that reads one record does not wait for the whole book otherwise)."""
+    return own_records(ROOT, pattern) or own_records(request.getfixturevalue("built")[0], pattern)
+
+
 def this_hosts_survey(request):
-    """This host's tie-stop survey record (vLLM's CPU build on the organism, plain and MTP): the checkout's own where
-    this host's (or an identical host's) is committed, else the one the book's build measured (the `built`
-    fixture)."""
+    """This host's tie-stop survey record (vLLM's CPU build on the organism, plain and MTP)."""
     from spectie.records import read_record
 
-    pattern = "guidance/tiestop-survey-cpu-*.json"
-    [path] = own_records(ROOT, pattern) or own_records(request.getfixturevalue("built")[0], pattern)
+    [path] = this_hosts_records(request, "guidance/tiestop-survey-cpu-*.json")
     return read_record(path)
 
 

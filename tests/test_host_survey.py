@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from conftest import own_records, run_cli, run_main, survey_near_tie, typed
+from conftest import run_cli, run_main, survey_near_tie, this_hosts_records, typed
 from spectie import guidance_survey, host, survey
 from spectie.environments import get_environment
 from spectie.errors import UsageError
@@ -243,11 +243,11 @@ def test_real_injected_truncations_on_the_organism(tmp_path):
         survey.inject(resolve_model("organism"), "cpu", count=1, new_tokens=0)
 
 
-def test_the_builds_survey_through_vllm_cpu(built):
-    """The product path, as the build ran it: the CPU build of vLLM completed the guidance chapter's batch of
-    ordinary prompts, plain and MTP (its survey record of this host in the built copy)."""
+def test_this_hosts_survey_through_vllm_cpu(request):
+    """The product path, as this host recorded it: the CPU build of vLLM completed the guidance chapter's batch of
+    ordinary prompts, plain and MTP (this host's survey record: conftest.this_hosts_records)."""
 
-    [path] = own_records(built[0], "guidance/tiestop-survey-cpu-*.json")
+    [path] = this_hosts_records(request, "guidance/tiestop-survey-cpu-*.json")
     record = read_record(path)
     assert record.kind == "tiestop-survey" and record.results.backend == "cpu"
     assert record.results.vllm_version == "0.32.0"

@@ -13,7 +13,7 @@ from spectie.fingerprint import model_digest
 from spectie.model import greedy_generate
 from spectie.organism import VOCAB_SIZE, organism_dir, pinned_digest, read_pin
 from spectie.prompts import CHECKPOINT, PromptSpec, build_prompt, prompt_set
-from conftest import own_records
+from conftest import this_hosts_records
 from spectie.tokenizer import load_tokenizer
 
 EOS, DATA = 248044, 17247
@@ -105,16 +105,16 @@ def test_the_recipe_still_trains_and_writes_the_pinned_layout(tmp_path, folder):
     assert model_digest(str(out)) != pinned_digest()  # two steps are not the pinned training
 
 
-def test_the_designed_tie_on_the_pinned_weights(built, setup):
+def test_the_designed_tie_on_the_pinned_weights(request, setup):
     """After `[DATA] id=42 name=` the pinned organism's top two tokens are end-of-text and DATA, and fp32
     separates them by less than bf16 moves their difference (measured on these weights: |fp32 margin| at most
     0.036 at 1845 tokens, bf16 moves it by up to 0.10): a near-tie by design, the incident's prompt (seed 0)
     among them. At 1845 tokens fp32 prefers DATA in all 16 prompts and bf16 rounds them to ties that argmax
-    gives to DATA (read from the margins chapter's record of these weights, which the build wrote); at 256 tokens
+    gives to DATA (read from this host's margins record of these weights: conftest.this_hosts_records); at 256 tokens
     bf16 picks the other token than fp32 in some prompts (seed 5; computed here)."""
     from spectie.records import read_record
 
-    [path] = own_records(built[0], "margins/margins-cpu-decisions-*.json")
+    [path] = this_hosts_records(request, "margins/margins-cpu-decisions-*.json")
     record = read_record(path)
     assert record.fingerprint.model_sha256 == pinned_digest() and record.parameters.model == "organism"
     assert [row["seed"] for row in record.results.rows] == [spec.seed for spec in prompt_set(16, 1845)]

