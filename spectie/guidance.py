@@ -67,7 +67,10 @@ def fp32_head_bands(records: list[Record]) -> str | None:
         points = {p["dtype"]: p for p in band_points([record]) if p["kernels"] == "torch" and not p["tf32"]}
         plain, head = points.get("bfloat16"), points.get("bfloat16" + FP32_HEAD)
         if plain and head:
-            parts.append(f"{plain['label'].rsplit(' · ', 1)[0]}: band {head['band']:.3f} logits with an fp32 head "
+            where = plain["label"].rsplit(" · ", 1)[0]
+            if record.device == "CPU":  # CPUs of different hosts round differently: name which one
+                where += f" (host {record.fingerprint.host_id})"
+            parts.append(f"{where}: band {head['band']:.3f} logits with an fp32 head "
                          f"against {plain['band']:.3f} with the bf16 head ({head['band'] / plain['band']:.0%} of it)")
     if not parts:
         return None
@@ -91,45 +94,6 @@ def batch_invariant_text(runs: list[Record], baseline: Record | None) -> str:
         else:
             message = (results.error or {}).get("message", "").strip().splitlines()
             parts.append(f"{name}: {results.status}" + (f", vLLM said: {message[-1][:160]}" if message else ""))
-    return "; ".join(parts)
-
-
-def row_counts(records: list[Record], model_path: str, marker: str = "[DATA]") -> list[dict]:
-    """The integrity check a caller can make: data rows in each run's output (first repeat)."""
-    from spectie.tokenizer import model_tokenizer
-
-    tokenizer = model_tokenizer(model_path)
-    rows = []
-    for record in records:
-        if record.results.repeats:
-            repeat = record.results.repeats[0]
-            text = tokenizer.decode(repeat["token_ids"])
-            rows.append({"configuration": record.parameters.configuration, "finish": repeat["finish_reason"],
-                         "tokens written": tokens_written(repeat), f"{marker} rows written": text.count(marker)})
-    return rows
-
-
-def rows_text(rows: list[dict], baseline: str | None, marker: str = "[DATA]") -> str:
-    """Which runs wrote fewer data rows than the baseline and which wrote more, in words (from row_counts)."""
-    column = f"{marker} rows written"
-    counts = {row["configuration"]: row[column] for row in rows}
-    if baseline not in counts:
-        return "no plain greedy run is recorded to compare with"
-    base = counts.pop(baseline)
-    fewer = [name for name, n in counts.items() if n < base]
-    more = [name for name, n in counts.items() if n > base]
-
-    def span(names):
-        low, high = min(counts[n] for n in names), max(counts[n] for n in names)
-        return f"{low}" if low == high else f"{low}–{high}"
-
-    parts = [f"plain greedy wrote {base} rows"]
-    if fewer:
-        parts.append(f"{', '.join(fewer)} fewer ({span(fewer)})")
-    if more:
-        parts.append(f"{', '.join(more)} more ({span(more)})")
-    if not fewer and not more:
-        parts.append("every speculative run as many")
     return "; ".join(parts)
 
 
@@ -320,14 +284,42 @@ def run_facts(runs: list[Record]) -> dict:
         "distinct_max": distinct,
         "repeat_note": "every repeat identical" if distinct == 1
         else f"up to {distinct} distinct outputs per configuration",
-        "determinism_text": "deterministic: every repeat wrote the same output" if distinct == 1
-        else "not deterministic: repeats differ",
+        "determinism_text": determinism_claim(runs),
         "repeats_each": max((r.results.runs_total for r in runs), default=0),
         "failed_names": ", ".join(f"{r.parameters.configuration} ({r.results.status})" for r in failed)
         or "none",
         "ends_text": ends_claim(runs), "runs_scope": runs_scope(runs),
         "batch_invariant_text": batch_invariant_text(runs, baseline_run(runs)),
     }
+
+
+def determinism_facts(runs: list[Record]) -> dict:
+    """The most distinct outputs any of `runs` wrote over its repeats, and the most repeats one ran."""
+    return {"distinct_max": max((r.results.distinct_outputs for r in runs if r.results.repeats), default=0),
+            "repeats_each": max((r.results.runs_total for r in runs), default=0)}
+
+
+def determinism_claim(runs: list[Record]) -> Claim:
+    """Whether the repeats of `runs` agreed, as a claim naming the runs."""
+    facts, words = determinism_facts(runs), runs_scope(runs)
+    verdict = ("deterministic: every repeat wrote the same output" if facts["distinct_max"] == 1
+               else "not deterministic: repeats differ")
+    text = (f"in {words}, at most {facts['distinct_max']} distinct output(s) over {facts['repeats_each']} repeats "
+            f"per configuration: {verdict}")
+    return Claim("determinism_text", text, covering(runs, words, "engine-outcome"),
+                 "spectie.guidance:determinism_facts", facts)
+
+
+def rows_claim(runs: list[Record], rows: list[dict], model: str) -> Claim:
+    """The data rows each run wrote against plain greedy's (`rows`: guidance_rows.row_counts), as a claim naming
+    the runs."""
+    from spectie.guidance_rows import rows_facts, rows_text
+
+    baseline = baseline_run(runs)
+    words = runs_scope(runs)
+    text = f"in {words}, " + rows_text(rows, baseline and baseline.parameters.configuration)
+    return Claim("rows_text", text, covering(runs, words, "engine-outcome"), "spectie.guidance_rows:rows_facts",
+                 rows_facts(runs, model), {"model": model})
 
 
 def detector_facts(rows: list[dict], threshold: float, scope: str = "these runs") -> dict:
@@ -399,13 +391,14 @@ def evidence_values(page: Page) -> dict:
     data rows (a table)."""
     import pandas as pd
 
+    from spectie import guidance_rows
     from spectie.model import resolve_model
     from spectie.records import load_records
 
     detector = detector_rows(page.runs, page.tie_threshold)
     words = runs_scope(page.runs)
     detected = detector_facts(detector, page.tie_threshold, words)
-    rows = row_counts(page.runs, resolve_model(page.model))
+    rows = guidance_rows.row_counts(page.runs, resolve_model(page.model))
     baseline = page.baseline
     head = fp32_head_bands(load_records(chapter="reduction_order", kind="reduction-sweep"))  # every model's sweeps
     margins = [r for r in model_records(page.model, chapter="margins", kind="logit-comparison", provenance="measured")
@@ -424,6 +417,6 @@ def evidence_values(page: Page) -> dict:
         .format({"flagged": yes_no}, na_rep="—").hide(axis="index"),
         **decisive_facts(margins),
         "fp32_head_text": head or "not measured yet: no record of a `bfloat16+fp32-head` sweep",
-        "rows_text": rows_text(rows, baseline and baseline.parameters.configuration),
+        "rows_text": rows_claim(page.runs, rows, page.model),
         "integrity_table": pd.DataFrame(rows).style.hide(axis="index"),
     }

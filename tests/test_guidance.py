@@ -1,7 +1,7 @@
 """The guidance chapter's wording helpers, on hand-made rows (the chapter itself is tested in test_book)."""
 
 from conftest import typed
-from spectie import guidance, guidance_classifier, guidance_survey, incident
+from spectie import guidance, guidance_classifier, guidance_rows, guidance_survey, incident
 from spectie.record_types import Record
 
 
@@ -16,14 +16,14 @@ def _rows(**counts):
 
 
 def test_rows_text_says_which_runs_wrote_fewer_and_which_more():
-    assert guidance.rows_text(_rows(plain=3, mtp_k1=8, ngram=7), "plain") == \
+    assert guidance_rows.rows_text(_rows(plain=3, mtp_k1=8, ngram=7), "plain") == \
         "plain greedy wrote 3 rows; mtp-k1, ngram more (7–8)"
-    assert guidance.rows_text(_rows(plain=5, mtp_k1=2, mtp_k8=2, ngram=9), "plain") == \
+    assert guidance_rows.rows_text(_rows(plain=5, mtp_k1=2, mtp_k8=2, ngram=9), "plain") == \
         "plain greedy wrote 5 rows; mtp-k1, mtp-k8 fewer (2); ngram more (9)"
-    assert guidance.rows_text(_rows(plain=4, mtp_k1=4), "plain") == \
+    assert guidance_rows.rows_text(_rows(plain=4, mtp_k1=4), "plain") == \
         "plain greedy wrote 4 rows; every speculative run as many"
-    assert guidance.rows_text(_rows(mtp_k1=4), "plain") == "no plain greedy run is recorded to compare with"
-    assert guidance.rows_text(_rows(mtp_k1=4), None) == "no plain greedy run is recorded to compare with"
+    assert guidance_rows.rows_text(_rows(mtp_k1=4), "plain") == "no plain greedy run is recorded to compare with"
+    assert guidance_rows.rows_text(_rows(mtp_k1=4), None) == "no plain greedy run is recorded to compare with"
 
 
 def test_outcomes_are_grouped_by_how_they_ended():
@@ -151,7 +151,10 @@ def test_run_facts_say_what_ran_what_changed_and_how_it_ended():
     assert facts["changed_outcomes"] == "mtp-k8: stop after 3 tokens; ngram: the 6-token limit (length)"
     assert facts["k_outcomes"] == "K = 1: stop after 4 tokens; K = 8: stop after 3 tokens"
     assert facts["repeat_note"] == "up to 2 distinct outputs per configuration"
-    assert facts["determinism_text"] == "not deterministic: repeats differ"
+    determinism = facts["determinism_text"]  # a claim naming its runs
+    assert determinism.text == (f"in {facts['runs_scope']}, at most 2 distinct output(s) over 3 repeats per "
+                                "configuration: not deterministic: repeats differ")
+    assert determinism.names_its_scope() and determinism.holds(_runs())
     assert facts["failed_names"] == "ngram_gpu (error)"
     assert facts["runs_scope"] == "the 5 configurations of vLLM 0.19.0 (CPU, host host-a) on prompt seed 0"
     claim = facts["ends_text"]  # a claim: the sentence, the runs it covers, and what it states about them
@@ -163,7 +166,7 @@ def test_run_facts_say_what_ran_what_changed_and_how_it_ended():
     same = guidance.run_facts(_runs()[:2])
     assert (same["speculative_changed"], same["changed_outcomes"], same["repeat_note"], same["failed_names"]) == \
         (0, "none", "every repeat identical", "none")
-    assert same["determinism_text"] == "deterministic: every repeat wrote the same output"
+    assert same["determinism_text"].text.endswith("configuration: deterministic: every repeat wrote the same output")
     empty = guidance.run_facts([])
     assert (empty["vllm_version"], empty["baseline_outcome"], empty["k_outcomes"], empty["repeats_each"]) == \
         ("—", "—", "no MTP run recorded", 0)
