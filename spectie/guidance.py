@@ -166,11 +166,12 @@ def stops_text(margins: list[float], flagged: int, threshold: float, scope: str 
 
 
 def upstream_text(changed: dict[str, dict], baseline: dict | None, divergence_at: str) -> str:
-    """Where speculation changed the completion: at the stop, or upstream of it, in words."""
+    """Where speculation changed the completion: at the stop, or upstream of it, in words (the sentence follows one
+    that names the runs: "these runs")."""
     if baseline is None or not changed:
-        return "Speculation left every completion as plain greedy wrote it"
+        return "Speculation left every completion of these runs as plain greedy wrote it"
     stopped = [name for name, repeat in changed.items() if repeat["finish_reason"] == "stop"]
-    text = (f"Where speculation changed the organism's completion, speculative and plain decoding first part at "
+    text = (f"Where speculation changed the organism's completion in these runs, speculative and plain decoding first part at "
             f"output token {divergence_at} (below), at a near-tie of their own")
     if stopped or baseline["finish_reason"] == "stop":
         text += ", not at the stop: a tie-stop detector sees only the stop; the classifier finds the tie upstream"

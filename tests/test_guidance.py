@@ -245,8 +245,8 @@ def test_classifier_rows_and_facts_are_told_from_the_verdicts():
     assert (facts["vllm_near_ties"], facts["vllm_divergences"], facts["vllm_divergence_at"]) == (1, 2, "4, 12")
     assert facts["suspected_note"] == "; it calls ngram a suspected correctness bug (below)"
     assert facts["vllm_suspected"].startswith("the classifier calls ngram (1 tokens outside the band, up to 6.5 logits")
-    assert facts["upstream_text"].startswith("Where speculation changed the organism's completion, speculative and "
-                                             "plain decoding first part at output token 4, 12 (below)")
+    assert facts["upstream_text"].startswith("Where speculation changed the organism's completion in these runs, "
+                                             "speculative and plain decoding first part at output token 4, 12 (below)")
     assert (facts["planted_verdict"], facts["planted_explanation"]) == \
         (divergence.Verdict.BUG, "suspected correctness bug at 0")
     none = guidance_classifier.classifier_facts(runs, results[:1], planted)
