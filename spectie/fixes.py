@@ -170,6 +170,18 @@ def releases_text(record: Record, versions: list[str]) -> str:
     return "; ".join(parts)
 
 
+def unsettled_text(record: Record) -> str:
+    """The fixes the ledger cannot tell for any release it read, with the failure each addresses, in words."""
+    checked = record.parameters.releases
+    unsure = [f for f in record.results.fixes
+              if f["per_release"] and set(f["per_release"].values()) <= {"unknown", "mixed"}]
+    if not unsure:
+        return f"The ledger tells, for each fix, whether each release it read ({checked[0]} to {checked[-1]}) has it"
+    named = "; ".join(f"#{f['fix']}" + (f" ({f['failure']})" if f["failure"] else "") for f in unsure)
+    return (f"For {named}, the ledger cannot tell from any release it read ({checked[0]} to {checked[-1]}) "
+            "whether the fix is in: no release rules it out")
+
+
 def pull_requests_text(record: Record, version: str, issue: str = "39273") -> str:
     """Which pull requests for `issue` one release carries, each named once with its state: a PR whose markers
     the ledger reads in two groups (the identifier it names, the behaviour it describes) says both."""

@@ -240,6 +240,8 @@ def page_values(records: list[Record], environments: dict[str, dict]) -> dict:
     """The first page's glue values: the first report's stop, the verdict with its strength, reasons, caveats and
     what was not measured, the GPU findings and the ngram advice (each a claim over every record: their sentences
     name the records they rest on), and how many records say it."""
+    from spectie.fixes import ledger_record, unsettled_text
+
     first = next(r for r in records if r.id == "original-mtp-wide-verify")
     answer = verdict(records, environments)
     every = Scope("")  # computed over every record, reported and measured
@@ -253,5 +255,6 @@ def page_values(records: list[Record], environments: dict[str, dict]) -> dict:
              for part, text in ((p, findings_lines(records, p)) for p in ("gpu_findings", "ngram_advice"))}
     return {"reported_tokens": first.results.output_tokens_before_stop, "reported_tail": first.results.tail_text,
             "reported_path": {"mtp": "MTP"}.get(first.parameters.method, first.parameters.method),
-            **told, **listed, **found, "record_count": len(records),
+            **told, **listed, **found, "ledger_unsettled": unsettled_text(ledger_record()),
+            "record_count": len(records),
             "measured_count": sum(r.measured for r in records), "commit_text": commit_claim(records)}

@@ -174,3 +174,14 @@ def test_the_installed_vllm_is_the_official_build_else_the_cpu_one(monkeypatch, 
 
     monkeypatch.setattr(fingerprint, "_version", installed.get)
     assert fixes.installed_version() == expected
+
+
+def test_a_fix_no_release_can_tell_is_named_with_its_failure_and_the_range_read():
+    settled = fix("51812", {"0.30.0": "absent", "0.31.0": "present"}, first="0.31.0")
+    unsure = fix("41467", {"0.30.0": "unknown", "0.31.0": "mixed"})
+    partly = fix("39273 / PR 1", {"0.30.0": "unknown", "0.31.0": "absent"})
+    assert fixes.unsettled_text(record_of([settled, unsure, partly], ["0.30.0", "0.31.0"])) == (
+        "For #41467 (premature end-of-text under load with MTP), the ledger cannot tell from any release it read "
+        "(0.30.0 to 0.31.0) whether the fix is in: no release rules it out")
+    assert fixes.unsettled_text(record_of([settled, partly], ["0.30.0", "0.31.0"])) == (
+        "The ledger tells, for each fix, whether each release it read (0.30.0 to 0.31.0) has it")
