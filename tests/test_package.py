@@ -20,11 +20,15 @@ def operator_venv(tmp_path_factory):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
                     str(folder / "wheel"), str(project_root())], check=True, capture_output=True)
     [wheel] = (folder / "wheel").glob("spectie-*.whl")
-    venv.create(folder / "venv", with_pip=True)
-    python = folder / "venv" / "bin" / "python"
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", str(wheel)],
-                   check=True, capture_output=True)
+    venv.create(folder / "venv")  # without pip: this environment's pip installs into it (`pip --python`)
+    subprocess.run(pip(folder, "install", "-q", "--no-compile", str(wheel)), check=True, capture_output=True)
     return folder
+
+
+def pip(folder, *args) -> list[str]:
+    """The pip command that acts on the venv in `folder`."""
+    return [sys.executable, "-m", "pip", "--python", str(folder / "venv" / "bin" / "python"),
+            "--disable-pip-version-check", *args]
 
 
 def spectie(folder, *args):
@@ -34,8 +38,8 @@ def spectie(folder, *args):
 
 
 def test_the_wheel_alone_serves_the_operators_tools(operator_venv):
-    installed = subprocess.run([str(operator_venv / "venv" / "bin" / "python"), "-m", "pip", "list", "--format",
-                                "json"], capture_output=True, text=True, check=True).stdout
+    installed = subprocess.run(pip(operator_venv, "list", "--format", "json"), capture_output=True, text=True,
+                               check=True).stdout
     names = {p["name"].lower() for p in json.loads(installed)}
     assert not names & {"torch", "vllm", "papermill", "jupyter-book", "matplotlib"}, names
     result = spectie(operator_venv, "guard", "--help")
