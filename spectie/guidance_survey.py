@@ -135,7 +135,7 @@ def survey_values(page: Page) -> dict:
         "survey_configs": ", ".join(c for c in main.results.configurations if c != main.parameters.baseline)
         if main else "—",
         "survey_environment": main.environment if main else "—",
-        "survey_verdict": survey_verdict(counts), "survey_stops_text": survey_stops_claim(main),
+        "survey_verdict": survey_verdict_claim(main, page.tie_threshold), "survey_stops_text": survey_stops_claim(main),
         "survey_fp_text": false_positive_claim(main, page.tie_threshold),
         "survey_resolution": f"{resolution:.3f}" if resolution is not None else "—",
         "survey_min_margin": f"{smallest:.2f}" if smallest is not None else "—",
@@ -187,23 +187,39 @@ def guard_values(page: Page) -> dict:
             "guard_provenance": provenance_line(records) if records else "no record yet"}
 
 
-def survey_verdict(counts: dict) -> str:
-    """What the tie-stop survey says of the detector on this model, in words (from survey.tally)."""
+def survey_verdict(counts: dict, words: str = "the survey") -> str:
+    """What the tie-stop survey `words` names says of the detector on this model, in words (from survey.tally)."""
     if not counts:
         return "No survey is recorded for this model"
     stops = plural(counts["ordinary_stops"], "ordinary stop")
     if not counts["ordinary_stops"]:
-        verdict = ("No completion of the survey ended with an ordinary stop on this model, so the detector's "
-                   "false-positive rate is not measured here")
+        verdict = (f"No completion of {words} ended with an ordinary stop, so the detector's false-positive rate is "
+                   "not measured there")
     elif not counts["ordinary_flagged"]:
-        verdict = f"On this model the detector flagged none of the {stops}"
+        verdict = f"In {words}, the detector flagged none of the {stops}"
     else:
-        verdict = f"On this model the detector flagged {counts['ordinary_flagged']} of the {stops}"
+        verdict = f"In {words}, the detector flagged {counts['ordinary_flagged']} of the {stops}"
     if 0 < counts["ordinary_stops"] < MIN_FOR_RATE:
         verdict += f" (fewer than {MIN_FOR_RATE}: too few to estimate a rate)"
     if counts["moved_tie_at_divergence"]:
         verdict += "; it is blind to ties upstream of the stop, and the classifier (below) is the tool for those"
     return verdict
+
+
+def verdict_facts(records: list[Record], threshold: float) -> dict:
+    """The counts `survey_verdict` states, summed over the surveys in `records`."""
+    counts = [survey.tally(r, threshold) for r in records]
+    return {name: sum(c[name] for c in counts)
+            for name in ("ordinary_stops", "ordinary_flagged", "moved_tie_at_divergence")}
+
+
+def survey_verdict_claim(main: Record | None, threshold: float) -> Claim | str:
+    """`survey_verdict` on this host's survey, as a claim naming it."""
+    if main is None:
+        return survey_verdict({})
+    facts, words = verdict_facts([main], threshold), survey_words(main)
+    return Claim("survey_verdict", survey_verdict(facts, words), covering([main], words, main.kind),
+                 "spectie.guidance_survey:verdict_facts", facts, {"threshold": threshold})
 
 
 def detector_text(rates: dict, curve: list[dict]) -> str:

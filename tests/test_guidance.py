@@ -51,13 +51,13 @@ def test_the_computed_sentences_say_what_the_records_say():
     assert guidance.upstream_text({}, limit, "—").startswith("Speculation left every completion")
     counts = {"ordinary_stops": 0, "ordinary_flagged": 0, "moved_tie_at_divergence": 3}
     assert guidance_survey.survey_verdict(counts).startswith("No completion of the survey ended with an ordinary stop")
-    assert guidance_survey.survey_verdict(dict(counts, ordinary_stops=12)).startswith(
-        "On this model the detector flagged none of the 12 ordinary stops; it is blind")
+    assert guidance_survey.survey_verdict(dict(counts, ordinary_stops=12), "the survey of host h").startswith(
+        "In the survey of host h, the detector flagged none of the 12 ordinary stops; it is blind")
     assert guidance_survey.survey_verdict(dict(counts, ordinary_stops=12, ordinary_flagged=2,
                                         moved_tie_at_divergence=0)) == \
-        "On this model the detector flagged 2 of the 12 ordinary stops"
+        "In the survey, the detector flagged 2 of the 12 ordinary stops"
     assert guidance_survey.survey_verdict(dict(counts, ordinary_stops=1, moved_tie_at_divergence=0)) == \
-        "On this model the detector flagged none of the 1 ordinary stop (fewer than 10: too few to estimate a rate)"
+        "In the survey, the detector flagged none of the 1 ordinary stop (fewer than 10: too few to estimate a rate)"
     assert guidance.rate_text(3, 40) == "3 of 40 (8%)" and guidance.rate_text(0, 1) == "0 of 1 (too few for a rate)"
     assert guidance_classifier.class_counts([{"class": "designed tie"}, {"class": "digit tie"}, {"class": "designed tie"}]) == \
         "designed tie: 2, digit tie: 1"
