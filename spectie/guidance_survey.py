@@ -163,11 +163,11 @@ def injection_values(page: Page) -> dict:
     ours = [r for r in injections if same_weights(r, page.model)]
     injection = survey.this_hosts(standing_first(ours, page.environment), page.environment)
     swing, _ = reported_swing()
-    curve = survey.detector_curve(main, injection, sorted({*np.geomspace(0.01, 30, 80).tolist(), page.tie_threshold,
-                                                           swing}))
+    thresholds = sorted({*np.geomspace(0.01, 30, 80).tolist(), page.tie_threshold, swing})
+    curve = survey.detector_curve(main, injection, thresholds)
     return {
-        "detector_text": detector_text(survey.detector_rates(main, injection, page.tie_threshold), curve),
-        "detector_swing_text": detector_text(survey.detector_rates(main, injection, swing), curve).split(". ")[0],
+        "detector_text": detector_claim("detector_text", main, injection, page.tie_threshold, thresholds, curve),
+        "detector_swing_text": detector_claim("detector_swing_text", main, injection, swing, thresholds, curve, True),
         "swing": swing,
         "injection_prompts": injection.parameters.prompts if injection else 0,
         "injection_tokens": injection.parameters.new_tokens if injection else 0,
@@ -245,6 +245,37 @@ def detector_text(rates: dict, curve: list[dict]) -> str:
                  "model wanted to go on looks like any other stop to it and shows only against plain greedy "
                  "(spectie classify)")
     return text
+
+
+def detector_facts(records: list[Record], threshold: float, thresholds: list[float] = ()) -> list[dict]:
+    """Per injection record among `records`, with the survey of its host: the detector's counts at `threshold`,
+    and the first of `thresholds` at which it catches a truncation planted at a confident position."""
+    facts = []
+    for injection in sorted((r for r in records if r.kind == survey.INJECTION_KIND), key=lambda r: r.id):
+        host = injection.fingerprint.host_id
+        main = next((r for r in records if r.kind == "tiestop-survey" and r.fingerprint.host_id == host), None)
+        rates = survey.detector_rates(main, injection, threshold)
+        curve = survey.detector_curve(main, injection, list(thresholds))
+        facts.append({**{name: value for name, value in rates.items() if "caught" in name or "planted" in name
+                         or name in ("ordinary_stops", "ordinary_flagged")},
+                      "first_confident": next((r["threshold"] for r in curve if r["confident caught"]), None)})
+    return facts
+
+
+def detector_claim(name: str, main: Record | None, injection: Record | None, threshold: float,
+                   thresholds: list[float], curve: list[dict], first_sentence: bool = False) -> Claim | str:
+    """`detector_text` at `threshold` on this host's injections and survey (`curve`: survey.detector_curve over
+    `thresholds`), as a claim naming them (`first_sentence`: its counts only)."""
+    text = detector_text(survey.detector_rates(main, injection, threshold), curve)
+    if injection is None:
+        return text
+    if first_sentence:
+        text, thresholds = text.split(". ")[0], []
+    words = f"the injections and survey of host {injection.fingerprint.host_id}"
+    return Claim(name, f"on {words}, {text}", covering([r for r in (main, injection) if r], words, ""),
+                 "spectie.guidance_survey:detector_facts", detector_facts([injection, *filter(None, [main])],
+                                                                          threshold, thresholds),
+                 {"threshold": threshold, "thresholds": thresholds})
 
 
 def guard_summary(record: Record) -> dict:
