@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from spectie import divergence, divergence_cases, divergence_verdicts
 from spectie.guidance import Page, changed_completions, model_records, plural, upstream_text, yes_no
+from spectie.claims import Claim, covering
 from spectie.record_types import Record
 
 
@@ -160,6 +161,31 @@ def classifier_score_text(rows: list[dict]) -> str:
     return text
 
 
+def case_score_facts(records: list[Record]) -> list[dict]:
+    """Per record of the classifier on the labelled cases among `records`: near-ties called right, planted bugs
+    caught, and the bugs missed per class (what `classifier_score_text` states)."""
+    facts = []
+    for record in sorted((r for r in records if r.kind == divergence_verdicts.CASES_KIND), key=lambda r: r.id):
+        rows = record.results.rows
+        ties, bugs = ([r for r in rows if r["truth"] == truth] for truth in ("near-tie", "bug"))
+        missed: dict[str, int] = {}
+        for r in bugs:
+            if not r["right"]:
+                missed[r["class"]] = missed.get(r["class"], 0) + 1
+        facts.append({"near_ties": len(ties), "near_ties_right": sum(r["right"] for r in ties), "bugs": len(bugs),
+                      "bugs_caught": sum(r["right"] for r in bugs), "missed": missed})
+    return facts
+
+
+def classifier_score_claim(record: Record) -> Claim:
+    """`classifier_score_text` on a record of the classifier's labelled cases, as a claim naming where they were
+    scored."""
+    words = f"the labelled cases as scored on host {record.fingerprint.host_id}"
+    return Claim("classifier_score", f"on {words}, {classifier_score_text(record.results.rows)}",
+                 covering([record], words, record.kind), "spectie.guidance_classifier:case_score_facts",
+                 case_score_facts([record]))
+
+
 def recorded_verdicts_text(rows: list[dict], widest_band: float) -> str:
     """The classifier on real engines' divergences (unlabelled), per speculative method, in words."""
     if not rows:
@@ -241,11 +267,12 @@ def cases_values(page: Page, classify, ledger: dict) -> dict:
         "digit_tie": divergence_cases.DIGIT_TIE, "corrupt_at": " and ".join(str(at + 1) for at in divergence_cases.CORRUPT_AT),
         "bug_prompts": len({tuple(c["prompt_token_ids"]) for c in labelled["cases"]
                             if c["label"] == divergence.Verdict.BUG.label}),
-        "cases_threshold": page.threshold, "classifier_score": classifier_score_text(case_rows),
+        "cases_threshold": page.threshold,
         "cases_table": cases.assign(right=cases["right"].map(yes_no)).style.format(precision=3).hide(axis="index")}
     started, content_hash = now(), current_hash("guidance")
-    divergence_verdicts.write_case_scores(case_rows, labelled["model"], page.threshold, page.origin, page.environment,
-                                          content_hash, started)
+    scores = divergence_verdicts.write_case_scores(case_rows, labelled["model"], page.threshold, page.origin,
+                                                   page.environment, content_hash, started)
+    values["classifier_score"] = classifier_score_claim(scores)
     here = divergence_cases.classify_cases(divergence_cases.recorded_pairs(page.runs), classifier=classify, progress=False)
     if here:
         divergence_verdicts.write_verdicts(here, page.runs, page.model, page.threshold, page.origin, page.environment,

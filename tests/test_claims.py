@@ -11,7 +11,8 @@ from spectie.records import load_records, read_stored
 
 # The sentences that state counts, absences or comparisons over runs, as claims, by chapter.
 CLAIMED = {"guidance": {"ends_text", "stops_text", "survey_stops_text", "survey_fp_text", "guard_text", "rows_text",
-                        "determinism_text", "survey_verdict", "detector_text", "detector_swing_text"},
+                        "determinism_text", "survey_verdict", "detector_text", "detector_swing_text",
+                        "classifier_score"},
            "summary": {"commit_text", "path_verdicts", "answer", "strength", "why_strength", "tie_note", "because",
                        "caveats", "not_measured", "gpu_findings", "ngram_advice", "guard_devices"}}
 # The unscoped claims that a GPU run's early stop and a bug-class divergence on it must change (the others, such as
@@ -86,12 +87,26 @@ def _other_hosts_surveys(root) -> list[Record]:
     return made
 
 
+def _other_hosts_case_scores(root) -> list[Record]:
+    """The classifier's labelled cases scored on another host, where it caught one more planted bug (a copy of the
+    build's record)."""
+    [path] = (root / "results" / "measured").glob("*/guidance/classifier-cases-*.json")
+    stored = read_stored(path)
+    stored["id"] = "classifier-cases-cpu-0123456789ab"
+    stored["fingerprint"].update(host_id="0123456789ab", source_commit=None)
+    missed = next(row for row in stored["results"]["rows"] if row["truth"] == "bug" and not row["right"])
+    missed["right"] = True
+    return [Record.from_dict(stored)]
+
+
 def test_a_gpu_stop_outside_a_claims_scope_leaves_it_standing_and_dropping_the_scope_breaks_it(book):
     """A GPU run of another host whose speculative completion stops earlier, a bug-class divergence on it, and other
-    hosts' surveys: each scoped claim still holds (the sentence names the runs it covers, and the new ones are not
-    among them), and the same claim without its scope fails. Unscoped claims that rest on such records change."""
+    hosts' surveys and case scores: each scoped claim still holds (the sentence names the runs it covers, and the
+    new ones are not among them), and the same claim without its scope fails. Unscoped claims that rest on such
+    records change."""
     claims, records, root = book
-    more = records + _gpu_runs(root, records) + [_bug_verdict(root)] + _other_hosts_surveys(root)
+    more = (records + _gpu_runs(root, records) + [_bug_verdict(root)] + _other_hosts_surveys(root)
+            + _other_hosts_case_scores(root))
     for claim in claims.values():
         if claim.scope.words:
             assert claim.holds(more), claim.name
