@@ -272,7 +272,7 @@ def run_facts(runs: list[Record]) -> dict:
     first = first_repeats(runs)
     mtp = {r.parameters.num_speculative_tokens: first[r.parameters.configuration] for r in ran
            if r.parameters.method == "mtp"}
-    distinct = max((r.results.distinct_outputs for r in runs if r.results.repeats), default=0)
+    distinct = determinism_facts(runs)["distinct_max"]
     failed = [r for r in runs if r.results.status != "ok"]
     return {
         "vllm_version": runs[0].fingerprint.vllm if runs else "—",
@@ -283,15 +283,42 @@ def run_facts(runs: list[Record]) -> dict:
         "changed_outcomes": grouped_outcomes(changed) or "none",
         "k_outcomes": grouped_outcomes({f"K = {k}": mtp[k] for k in sorted(mtp)}) or "no MTP run recorded",
         "distinct_max": distinct,
-        "repeat_note": "every repeat identical" if distinct == 1
-        else f"up to {distinct} distinct outputs per configuration",
         "determinism_text": determinism_claim(runs),
         "repeats_each": max((r.results.runs_total for r in runs), default=0),
         "failed_names": ", ".join(f"{r.parameters.configuration} ({r.results.status})" for r in failed)
         or "none",
-        "ends_text": ends_claim(runs), "runs_scope": runs_scope(runs),
+        "ends_text": ends_claim(runs), "changed_text": changed_claim(runs), "runs_scope": runs_scope(runs),
         "batch_invariant_text": batch_invariant_text(runs, baseline_run(runs)),
     }
+
+
+def changed_facts(runs: list[Record]) -> dict:
+    """Over every matrix run and prompt seed in `runs`: which speculative configurations ran, which wrote other
+    tokens than plain greedy on their first repeat, and the most distinct outputs over repeats (`changed_claim`)."""
+    from spectie.reproduce import run_key
+
+    groups: dict[tuple, list[Record]] = {}
+    for r in runs:
+        groups.setdefault((run_key(r), r.parameters.prompt_seed), []).append(r)
+    ran, changed = set(), set()
+    for group in groups.values():
+        ran |= {r.parameters.configuration for r in speculative_runs(group)}
+        changed |= set(changed_completions(group)[1])
+    return {"ran": sorted(ran), "changed": sorted(changed), "distinct_max": determinism_facts(runs)["distinct_max"]}
+
+
+def changed_claim(runs: list[Record]) -> Claim:
+    """How many speculative configurations of `runs` wrote another completion than plain greedy, how each ended,
+    and whether repeats agreed, as a claim naming the runs."""
+    base, changed = changed_completions(runs)
+    facts, words = changed_facts(runs), runs_scope(runs)
+    distinct = facts["distinct_max"]
+    repeats = "every repeat identical" if distinct == 1 else f"up to {distinct} distinct outputs per configuration"
+    text = (f"in {words}, {len(changed)} of the {len(speculative_runs(runs))} speculative configurations that ran "
+            f"wrote a different completion from plain greedy (plain greedy: {outcome(base) if base else '—'}; "
+            f"{grouped_outcomes(changed) or 'none'}), {repeats}")
+    return Claim("changed_text", text, covering(runs, words, "engine-outcome"), "spectie.guidance:changed_facts",
+                 facts)
 
 
 def determinism_facts(runs: list[Record]) -> dict:

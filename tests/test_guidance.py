@@ -150,7 +150,12 @@ def test_run_facts_say_what_ran_what_changed_and_how_it_ended():
     assert facts["baseline_outcome"] == "stop after 4 tokens"
     assert facts["changed_outcomes"] == "mtp-k8: stop after 3 tokens; ngram: the 6-token limit (length)"
     assert facts["k_outcomes"] == "K = 1: stop after 4 tokens; K = 8: stop after 3 tokens"
-    assert facts["repeat_note"] == "up to 2 distinct outputs per configuration"
+    changed = facts["changed_text"]  # a claim naming its runs
+    assert changed.text == (f"in {facts['runs_scope']}, 2 of the 3 speculative configurations that ran wrote a "
+                            "different completion from plain greedy (plain greedy: stop after 4 tokens; mtp-k8: stop "
+                            "after 3 tokens; ngram: the 6-token limit (length)), up to 2 distinct outputs per "
+                            "configuration")
+    assert changed.holds(_runs()) and changed.facts["changed"] == ["mtp-k8", "ngram"]
     determinism = facts["determinism_text"]  # a claim naming its runs
     assert determinism.text == (f"in {facts['runs_scope']}, at most 2 distinct output(s) over 3 repeats per "
                                 "configuration: not deterministic: repeats differ")
@@ -164,8 +169,8 @@ def test_run_facts_say_what_ran_what_changed_and_how_it_ended():
     assert facts["batch_invariant_text"] == "not measured yet: no record of a batch-invariant configuration"
 
     same = guidance.run_facts(_runs()[:2])
-    assert (same["speculative_changed"], same["changed_outcomes"], same["repeat_note"], same["failed_names"]) == \
-        (0, "none", "every repeat identical", "none")
+    assert (same["speculative_changed"], same["changed_outcomes"], same["failed_names"]) == (0, "none", "none")
+    assert same["changed_text"].text.endswith("(plain greedy: stop after 4 tokens; none), every repeat identical")
     assert same["determinism_text"].text.endswith("configuration: deterministic: every repeat wrote the same output")
     empty = guidance.run_facts([])
     assert (empty["vllm_version"], empty["baseline_outcome"], empty["k_outcomes"], empty["repeats_each"]) == \
