@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from spectie import thresholds, tiestop
 from spectie.claims import Claim, covering
 from spectie.completions import stopped_earlier, tokens_written
-from spectie.incident import fp32_row, logit_comparison
+from spectie.incident import b200_facts, fp32_row, logit_comparison
 from spectie.record_types import Record
 
 
@@ -367,19 +367,6 @@ def decisive_facts(records: list[Record]) -> dict:
         return {"decisive_fp32": float("nan"), "decisive_winner": "—"}
     fp32 = {row["dtype"]: row for row in records[0].results.rows}["fp32"]
     return {"decisive_fp32": fp32["margin"], "decisive_winner": fp32["winner"]}
-
-
-def b200_facts(reported: list[Record]) -> dict:
-    """The glue values of the incident's B200 runs by K (reported): at which K they stopped early, at which they went
-    on, and whether that contradicts a K threshold."""
-    b200 = [r for r in reported if r.id.startswith("b200-k")]
-    by_k = sorted((r.parameters.num_speculative_tokens, r.results.stopped_early) for r in b200)
-    stops_at = [k for k, stopped in by_k if stopped]
-    goes_on = [k for k, stopped in by_k if not stopped]
-    return {"b200_k_stops": ", ".join(map(str, stops_at)) or "—",
-            "b200_k_continues": ", ".join(map(str, goes_on)) or "—",
-            "k_threshold_text": "a wider K did not stop where a narrower one did, so no K threshold holds"
-            if any(k > s for k in goes_on for s in stops_at) else "these runs alone do not contradict a K threshold"}
 
 
 # ------------------------------------------------------------------------------ the page's context and first section

@@ -182,10 +182,35 @@ def page_values(records: list[Record]) -> dict:
                                          symptom.output_tokens_before_stop, logits.results.position),
         "v032_runs_stopped": sum(r.results.runs_stopped for r in v032),
         "v032_runs_total": sum(r.results.runs_total for r in v032), "v032_configurations": len(v032),
-        "b200_k_stops": by_id["b200-k7"].parameters.num_speculative_tokens,
-        "b200_k_continues": by_id["b200-k8"].parameters.num_speculative_tokens}
+        **{k: v for k, v in b200_facts(records).items() if k != "b200_k_text"}}
     values.update({f"logit_{name}": value for name, value in logit_values(logits).items()})
     return values
+
+
+def b200_k_measure(records: list[Record]) -> dict:
+    """The values of K at which the speculative runs among `records` stopped early, and at which they went on."""
+    by_k = sorted((r.parameters.num_speculative_tokens, bool(r.results.stopped_early)) for r in records
+                  if r.kind == "engine-outcome"
+                  and isinstance(getattr(r.parameters, "num_speculative_tokens", None), int))  # a list: a sweep
+    return {"stops_at": [k for k, stopped in by_k if stopped], "goes_on": [k for k, stopped in by_k if not stopped]}
+
+
+def b200_facts(reported: list[Record]) -> dict:
+    """The glue values of the incident's B200 runs by K (reported): at which K they stopped early, at which they went
+    on, and whether that contradicts a K threshold (`b200_k_text`: all of it, as a claim naming those runs)."""
+    from spectie.claims import Claim, Scope
+
+    b200 = [r for r in reported if r.id.startswith("b200-")]
+    facts = b200_k_measure(b200)
+    stops_at, goes_on = facts["stops_at"], facts["goes_on"]
+    verdict = ("a wider K did not stop where a narrower one did, so no K threshold holds"
+               if any(k > s for k in goes_on for s in stops_at) else "these runs alone do not contradict a K threshold")
+    words = "the incident's B200"
+    scope = Scope(words, "engine-outcome", "reported", tuple(sorted({r.environment for r in b200})))
+    shown = ", ".join(map(str, stops_at)) or "—", ", ".join(map(str, goes_on)) or "—"
+    return {"b200_k_stops": shown[0], "b200_k_continues": shown[1], "k_threshold_text": verdict,
+            "b200_k_text": Claim("b200_k_text", f"{words} stopped at K = {shown[0]} and not at K = {shown[1]} "
+                                 f"(reported): {verdict}", scope, "spectie.incident:b200_k_measure", facts)}
 
 
 def configuration_table(parameters: IncidentParameters) -> pd.DataFrame:

@@ -12,7 +12,7 @@ from spectie.records import load_records, read_stored
 # The sentences that state counts, absences or comparisons over runs, as claims, by chapter.
 CLAIMED = {"guidance": {"ends_text", "stops_text", "survey_stops_text", "survey_fp_text", "guard_text", "rows_text",
                         "determinism_text", "survey_verdict", "detector_text", "detector_swing_text",
-                        "classifier_score", "changed_text"},
+                        "classifier_score", "changed_text", "b200_k_text"},
            "summary": {"commit_text", "path_verdicts", "answer", "strength", "why_strength", "tie_note", "because",
                        "caveats", "not_measured", "gpu_findings", "ngram_advice", "guard_devices"}}
 # The unscoped claims that a GPU run's early stop and a bug-class divergence on it must change (the others, such as

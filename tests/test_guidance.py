@@ -294,16 +294,21 @@ def test_the_decisive_margin_and_the_b200_runs_by_k():
     assert empty["decisive_winner"] == "—" and empty["decisive_fp32"] != empty["decisive_fp32"]  # nan
 
     def b200(k, stopped):
-        return _record("engine-outcome", f"b200-k{k}", {"num_speculative_tokens": k}, {"stopped_early": stopped})
+        return _record("engine-outcome", f"b200-k{k}", {"num_speculative_tokens": k}, {"stopped_early": stopped},
+                       provenance="reported")
 
-    reported = [b200(8, False), b200(7, True), _record("engine-outcome", "b200-plain-greedy")]
-    assert guidance.b200_facts(reported) == {
+    reported = [b200(8, False), b200(7, True), _record("engine-outcome", "b200-plain-greedy", provenance="reported")]
+    facts = incident.b200_facts(reported)
+    assert {name: facts[name] for name in ("b200_k_stops", "b200_k_continues", "k_threshold_text")} == {
         "b200_k_stops": "7", "b200_k_continues": "8",
         "k_threshold_text": "a wider K did not stop where a narrower one did, so no K threshold holds"}
-    assert guidance.b200_facts([b200(3, False), b200(7, True)])["k_threshold_text"] == \
+    claim = facts["b200_k_text"]  # a claim naming the incident's B200 runs
+    assert claim.text == ("the incident's B200 stopped at K = 7 and not at K = 8 (reported): a wider K did not stop "
+                          "where a narrower one did, so no K threshold holds")
+    assert claim.holds(reported) and not claim.holds(reported + [b200(9, True)])
+    assert incident.b200_facts([b200(3, False), b200(7, True)])["k_threshold_text"] == \
         "these runs alone do not contradict a K threshold"
-    assert guidance.b200_facts([]) == {"b200_k_stops": "—", "b200_k_continues": "—",
-                                       "k_threshold_text": "these runs alone do not contradict a K threshold"}
+    assert incident.b200_facts([])["b200_k_stops"] == "—"
 
 
 def test_recorded_runs_are_one_run_of_these_weights_in_this_environment(monkeypatch):
