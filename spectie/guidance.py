@@ -165,20 +165,22 @@ def stops_text(margins: list[float], flagged: int, threshold: float, scope: str 
             f"{len(margins)} are within the detector's threshold of {threshold:.3f} logits")
 
 
-def upstream_text(changed: dict[str, dict], baseline: dict | None, divergence_at: str) -> str:
-    """Where speculation changed the completion: at the stop, or upstream of it, in words (the sentence follows one
+def upstream_text(changed: dict[str, dict], baseline: dict | None, divergence_at: str, suspected: int = 0) -> str:
+    """Where speculation changed the completion: at the stop, or upstream of it, and whether the classifier calls
+    the divergences near-ties (`suspected`: how many it calls suspected bugs), in words (the sentence follows one
     that names the runs: "these runs")."""
     if baseline is None or not changed:
         return "Speculation left every completion of these runs as plain greedy wrote it"
     stopped = [name for name, repeat in changed.items() if repeat["finish_reason"] == "stop"]
-    text = (f"Where speculation changed the organism's completion in these runs, speculative and plain decoding first part at "
-            f"output token {divergence_at} (below), at a near-tie of their own")
+    where, found = ("at a near-tie of their own", "the tie") if not suspected else (
+        f"where the classifier calls {suspected} of the divergences suspected correctness bugs", "where they part")
+    text = (f"Where speculation changed the organism's completion in these runs, speculative and plain decoding first "
+            f"part at output token {divergence_at} (below), {where}")
     if stopped or baseline["finish_reason"] == "stop":
-        text += ", not at the stop: a tie-stop detector sees only the stop; the classifier finds the tie upstream"
-    else:
-        text += ("; no run stopped there, so there is no stop for a tie-stop detector to judge, and the classifier "
-                 "is the tool that finds the tie")
-    return text
+        return text + (", not at the stop: a tie-stop detector sees only the stop; the classifier finds "
+                       f"{found} upstream")
+    return text + ("; no run stopped there, so there is no stop for a tie-stop detector to judge, and the classifier "
+                   f"is the tool that finds {found}")
 
 
 MIN_FOR_RATE = 10  # fewer cases than this are counted, not turned into a rate

@@ -123,7 +123,7 @@ def classifier_facts(runs: list[Record], results: list[tuple[Record, divergence.
         "vllm_near_ties": sum(1 for _, result in results if result.verdict == divergence.Verdict.NEAR_TIE),
         "vllm_divergences": len(results),
         "vllm_divergence_at": positions,
-        "upstream_text": upstream_text(changed, base, positions),
+        "upstream_text": upstream_text(changed, base, positions, len(suspected)),
         "suspected_note": "; it calls " + ", ".join(suspected) + " a suspected correctness bug (below)" if suspected
         else "; none is a suspected bug",
         "vllm_suspected": suspected_text(results),

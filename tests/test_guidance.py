@@ -48,6 +48,9 @@ def test_the_computed_sentences_say_what_the_records_say():
         "The stops of these runs won by 0.00 to 0.50 logits: 1 of 2 are within the detector's threshold of 0.100 logits"
     assert guidance.upstream_text({"mtp-k1": limit}, limit, "58").endswith("the classifier is the tool that finds the tie")
     assert "not at the stop" in guidance.upstream_text({"mtp-k1": stop}, limit, "9")
+    assert guidance.upstream_text({"mtp-k1": limit}, limit, "58", suspected=1).endswith(
+        "(below), where the classifier calls 1 of the divergences suspected correctness bugs; no run stopped there, so "
+        "there is no stop for a tie-stop detector to judge, and the classifier is the tool that finds where they part")
     assert guidance.upstream_text({}, limit, "—").startswith("Speculation left every completion")
     counts = {"ordinary_stops": 0, "ordinary_flagged": 0, "moved_tie_at_divergence": 3}
     assert guidance_survey.survey_verdict(counts).startswith("No completion of the survey ended with an ordinary stop")
