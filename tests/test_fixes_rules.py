@@ -185,3 +185,10 @@ def test_a_fix_no_release_can_tell_is_named_with_its_failure_and_the_range_read(
         "(0.30.0 to 0.31.0) whether the fix is in: no release rules it out")
     assert fixes.unsettled_text(record_of([settled, partly], ["0.30.0", "0.31.0"])) == (
         "The ledger tells, for each fix, whether each release it read (0.30.0 to 0.31.0) has it")
+    three = ["0.30.0", "0.31.0", "0.32.0"]
+    unnamed = fix("99999", {"0.30.0": "unknown", "0.31.0": "unknown", "0.32.0": "mixed"})  # no known failure class
+    unsure3 = fix("41467", {"0.30.0": "unknown", "0.31.0": "mixed", "0.32.0": "unknown"})
+    assert fixes.unsettled_text(record_of([unsure3, unnamed], three)) == (
+        "For #41467 (premature end-of-text under load with MTP); #99999, the ledger cannot tell from any release it "
+        "read (0.30.0 to 0.32.0) whether the fix is in: no release rules it out")
+    assert fixes.unsettled_text(record_of([settled], three)).endswith("(0.30.0 to 0.32.0) has it")
