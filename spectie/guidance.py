@@ -129,13 +129,10 @@ def _end(repeat: dict) -> tuple:
 def ends_facts(runs: list[Record]) -> dict:
     """Which speculative configurations wrote other tokens than plain greedy on their first repeat, and which of
     those ended elsewhere, over every matrix run and prompt seed in `runs`: what `ends_text` states."""
-    from spectie.reproduce import run_key
+    from spectie.reproduce import by_run_and_prompt
 
-    groups: dict[tuple, list[Record]] = {}
-    for r in runs:
-        groups.setdefault((run_key(r), r.parameters.prompt_seed), []).append(r)
     changed, moved = set(), set()
-    for group in groups.values():
+    for group in by_run_and_prompt(runs):
         base, differ = changed_completions(group)
         changed |= set(differ)
         moved |= {name for name, repeat in differ.items() if _end(repeat) != _end(base)}
@@ -297,13 +294,10 @@ def run_facts(runs: list[Record]) -> dict:
 def changed_facts(runs: list[Record]) -> dict:
     """Over every matrix run and prompt seed in `runs`: which speculative configurations ran, which wrote other
     tokens than plain greedy on their first repeat, and the most distinct outputs over repeats (`changed_claim`)."""
-    from spectie.reproduce import run_key
+    from spectie.reproduce import by_run_and_prompt
 
-    groups: dict[tuple, list[Record]] = {}
-    for r in runs:
-        groups.setdefault((run_key(r), r.parameters.prompt_seed), []).append(r)
     ran, changed = set(), set()
-    for group in groups.values():
+    for group in by_run_and_prompt(runs):
         ran |= {r.parameters.configuration for r in speculative_runs(group)}
         changed |= set(changed_completions(group)[1])
     return {"ran": sorted(ran), "changed": sorted(changed), "distinct_max": determinism_facts(runs)["distinct_max"]}

@@ -50,13 +50,10 @@ def rows_facts(runs: list[Record], model: str) -> dict:
     """Over every matrix run and prompt seed in `runs`: how many data rows plain greedy wrote, and which
     speculative configurations wrote fewer or more (first repeats): what `rows_claim` states."""
     from spectie.model import resolve_model
-    from spectie.reproduce import run_key
+    from spectie.reproduce import by_run_and_prompt
 
-    groups: dict[tuple, list[Record]] = {}
-    for r in runs:
-        groups.setdefault((run_key(r), r.parameters.prompt_seed), []).append(r)
     base_rows, fewer, more = set(), set(), set()
-    for group in groups.values():
+    for group in by_run_and_prompt(runs):
         counts = {row["configuration"]: row["[DATA] rows written"] for row in row_counts(group, resolve_model(model))}
         if group[0].parameters.baseline not in counts:  # no plain greedy run to compare with
             continue

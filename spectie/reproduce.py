@@ -374,6 +374,15 @@ def run_key(record: Record) -> RunKey:
     return RunKey(record.environment, record.fingerprint.host_id, p.matrix, p.model, p.ranks, p.prompt_seeds or 1)
 
 
+def by_run_and_prompt(records: list[Record]) -> list[list[Record]]:
+    """`records` grouped into one matrix run's configurations on one prompt seed each (what a sentence comparing
+    speculative and plain decoding compares), in first-seen order."""
+    groups: dict[tuple, list[Record]] = {}
+    for r in records:
+        groups.setdefault((run_key(r), r.parameters.prompt_seed), []).append(r)
+    return list(groups.values())
+
+
 def first_prompt(records: list[Record]) -> list[Record]:
     """The runs of each host's first prompt seed (the incident's prompt where it ran): one per configuration."""
     first: dict[RunKey, int] = {}
