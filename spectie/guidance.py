@@ -271,7 +271,7 @@ def run_facts(runs: list[Record]) -> dict:
     first = first_repeats(runs)
     mtp = {r.parameters.num_speculative_tokens: first[r.parameters.configuration] for r in ran
            if r.parameters.method == "mtp"}
-    distinct = determinism_facts(runs)["distinct_max"]
+    determinism = determinism_facts(runs)
     failed = [r for r in runs if r.results.status != "ok"]
     return {
         "vllm_version": runs[0].fingerprint.vllm if runs else "—",
@@ -281,9 +281,8 @@ def run_facts(runs: list[Record]) -> dict:
         "baseline_outcome": outcome(base) if base else "—",
         "changed_outcomes": grouped_outcomes(changed) or "none",
         "k_outcomes": grouped_outcomes({f"K = {k}": mtp[k] for k in sorted(mtp)}) or "no MTP run recorded",
-        "distinct_max": distinct,
+        **determinism,
         "determinism_text": determinism_claim(runs),
-        "repeats_each": max((r.results.runs_total for r in runs), default=0),
         "failed_names": ", ".join(f"{r.parameters.configuration} ({r.results.status})" for r in failed)
         or "none",
         "ends_text": ends_claim(runs), "changed_text": changed_claim(runs), "runs_scope": runs_scope(runs),

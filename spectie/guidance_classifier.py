@@ -11,8 +11,8 @@ first page reads them).
 from __future__ import annotations
 
 from spectie import divergence, divergence_cases, divergence_verdicts
-from spectie.guidance import Page, changed_completions, model_records, plural, upstream_text, yes_no
 from spectie.claims import Claim, covering
+from spectie.guidance import Page, changed_completions, model_records, plural, upstream_text, yes_no
 from spectie.record_types import Record
 
 
@@ -140,41 +140,39 @@ def class_counts(cases: list[dict]) -> str:
     return ", ".join(f"{name}: {count}" for name, count in counts.items())
 
 
-def classifier_score_text(rows: list[dict]) -> str:
-    """How the classifier did on the labelled cases, in words (rows from divergence_cases.classify_cases)."""
-    ties = [r for r in rows if r["truth"] == "near-tie"]
-    bugs = [r for r in rows if r["truth"] == "bug"]
-    text = (f"it called {sum(r['right'] for r in ties)} of {len(ties)} near-ties near-ties and caught "
-            f"{sum(r['right'] for r in bugs)} of {len(bugs)} planted bugs")
-    missed: dict[str, list[dict]] = {}
+def score_counts(rows: list[dict]) -> dict:
+    """How the classifier did on labelled cases (rows from divergence_cases.classify_cases): near-ties called
+    right, planted bugs caught, and the bugs missed per class (in the rows' order)."""
+    ties, bugs = ([r for r in rows if r["truth"] == truth] for truth in ("near-tie", "bug"))
+    missed: dict[str, int] = {}
     for r in bugs:
         if not r["right"]:
-            missed.setdefault(r["class"], []).append(r)
-    if missed:
-        worst = max(abs(r["fp32_margin"]) for group in missed.values() for r in group)
-        text += (f"; it missed {', '.join(f'{name} ({len(group)})' for name, group in missed.items())}: in each, the "
+            missed[r["class"]] = missed.get(r["class"], 0) + 1
+    return {"near_ties": len(ties), "near_ties_right": sum(r["right"] for r in ties), "bugs": len(bugs),
+            "bugs_caught": sum(r["right"] for r in bugs), "missed": missed}
+
+
+def classifier_score_text(rows: list[dict]) -> str:
+    """How the classifier did on the labelled cases, in words (rows from divergence_cases.classify_cases)."""
+    counts = score_counts(rows)
+    text = (f"it called {counts['near_ties_right']} of {counts['near_ties']} near-ties near-ties and caught "
+            f"{counts['bugs_caught']} of {counts['bugs']} planted bugs")
+    if counts["missed"]:
+        worst = max(abs(r["fp32_margin"]) for r in rows if r["truth"] == "bug" and not r["right"])
+        text += (f"; it missed {', '.join(f'{name} ({n})' for name, n in counts['missed'].items())}: in each, the "
                  f"planted bug first changed a token where fp32's top two were at most {worst:.3f} logits apart, "
                  f"and every later token stayed within the band, so the output is one a correct engine could write")
-    wrong_ties = [r for r in ties if not r["right"]]
+    wrong_ties = [r for r in rows if r["truth"] == "near-tie" and not r["right"]]
     if wrong_ties:
         text += f"; it called {len(wrong_ties)} near-tie(s) suspected bugs ({', '.join(r['case'] for r in wrong_ties)})"
     return text
 
 
 def case_score_facts(records: list[Record]) -> list[dict]:
-    """Per record of the classifier on the labelled cases among `records`: near-ties called right, planted bugs
-    caught, and the bugs missed per class (what `classifier_score_text` states)."""
-    facts = []
-    for record in sorted((r for r in records if r.kind == divergence_verdicts.CASES_KIND), key=lambda r: r.id):
-        rows = record.results.rows
-        ties, bugs = ([r for r in rows if r["truth"] == truth] for truth in ("near-tie", "bug"))
-        missed: dict[str, int] = {}
-        for r in bugs:
-            if not r["right"]:
-                missed[r["class"]] = missed.get(r["class"], 0) + 1
-        facts.append({"near_ties": len(ties), "near_ties_right": sum(r["right"] for r in ties), "bugs": len(bugs),
-                      "bugs_caught": sum(r["right"] for r in bugs), "missed": missed})
-    return facts
+    """Per record of the classifier on the labelled cases among `records`: its `score_counts` (what
+    `classifier_score_text` states)."""
+    return [score_counts(r.results.rows)
+            for r in sorted((r for r in records if r.kind == divergence_verdicts.CASES_KIND), key=lambda r: r.id)]
 
 
 def classifier_score_claim(record: Record) -> Claim:

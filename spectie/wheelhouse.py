@@ -143,7 +143,8 @@ def build(environment: str, out: str | Path, part_mib: int | None = None, python
     wheels.mkdir(parents=True, exist_ok=True)
     log(f"wheelhouse: {environment} (vLLM {env['vllm']['version']}) into {out}")
     if subprocess.run(command).returncode != 0:
-        raise RuntimeError(f"pip download of {environment}'s wheels failed (its output above); nothing written")
+        raise RuntimeError(f"pip download of {environment}'s wheels failed (its output above); what it fetched "
+                           f"before failing is left in {wheels}, with no SHA256SUMS or install.sh")
     pins, with_dependencies = requirements(env)
     files = sorted(wheels.glob("*.whl"))
     if not with_dependencies:  # exactly the lock's wheels (an earlier download into OUT may have left others)
@@ -173,12 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         build(args.environment, args.out, args.part_mib, args.python)
-    except UsageError as exc:
+    except (UsageError, RuntimeError) as exc:  # bad input (exit 2), or pip's download failed (exit 1)
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except RuntimeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, UsageError) else 1
     return 0
 
 
