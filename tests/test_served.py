@@ -60,7 +60,8 @@ def started_servers(logs, configurations: dict):
 @pytest.fixture(scope="module")
 def tie(request):
     """This host's near-tie stop from its survey (conftest.survey_near_tie) at the guard's own threshold for the
-    organism: (configuration, prompt, the stop, the threshold), or None where this host's survey has none."""
+    organism: (the survey's id, (configuration, prompt, the stop, the threshold)), the second None where this host's
+    survey has none."""
     from spectie.thresholds import detector_threshold_for_model
 
     threshold = detector_threshold_for_model(resolve_model("organism"))[0]
