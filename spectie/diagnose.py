@@ -234,7 +234,7 @@ def write_page(request_path: str | Path, model: str = "organism", environment: s
                parallel: int | None = None, log=print) -> Path:
     """Check everything (`make_diagnosis`, and this host against the environment), then execute the diagnosis page
     (notebooks/diagnose.ipynb) into `out` (default _build/diagnose/<name>/) with its records beside it, and render
-    it as HTML: the page's path."""
+    it as HTML where jupyter-book is installed: the page's path (the HTML, else the executed notebook)."""
     import subprocess
     import sys
 
@@ -247,6 +247,8 @@ def write_page(request_path: str | Path, model: str = "organism", environment: s
     for said in host.check("reproduce", diagnosis.environment, {"model": model, "device": device}):
         log(f"host check: {said}")
     log(diagnosis.describe())
+    if not (Path(sys.prefix) / "bin" / "jupyter-book").exists():
+        log(f"jupyter-book is not installed in {sys.prefix}: the page will be an executed notebook, not HTML")
     root = project_root()
     out = out or root / "_build" / "diagnose" / (name or page_name(request_path))
     parameters = {"request": str(Path(request_path).resolve()), "line": line, "model": model,
@@ -255,6 +257,10 @@ def write_page(request_path: str | Path, model: str = "organism", environment: s
     page = execute(Chapter("diagnose", "notebooks/diagnose.ipynb", (), "one request, diagnosed"), parameters,
                    output=out / "diagnose.ipynb")
     book = Path(sys.prefix) / "bin" / "jupyter-book"
+    if not book.exists():  # a serving host's minimal install: the executed notebook is the page
+        log(f"executed page: {page}\nrecords: {out / 'results'}\nno HTML: jupyter-book is not installed in "
+            f"{sys.prefix} (make setup installs it); the executed notebook holds the verdict")
+        return page
     built = subprocess.run([str(book), "build", page.name, "--config", str(root / "_config.yml"), "--path-output",
                             str(out)], cwd=out, capture_output=True, text=True)
     if built.returncode != 0:

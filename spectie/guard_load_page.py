@@ -107,9 +107,24 @@ def failed(records: list[Record]) -> list[str]:
             for r in records if r.results.error]
 
 
+def answered(records: list[Record]) -> bool:
+    """Did any server of these records answer a request (a device whose servers all failed to start measured nothing)?"""
+    return any(not row["error"] for r in records for row in r.results.rows or [])
+
+
+def nothing_measured(records: list[Record]) -> str:
+    """What a device whose servers all failed measured: nothing, with how many failed and the first error's head."""
+    errors = [r.results.error for r in records if r.results.error]
+    head = f" ({errors[0].split(';')[0][:120]})" if errors else ""
+    return (f"nothing measured: {len(errors)} of {len(records)} servers did not start{head}, and no request was "
+            "answered")
+
+
 def load_sentence(device: str, records: list[Record]) -> str:
     """Whether load (levels above 1) or prefix caching moved a stop or changed an output, on one device, in words
     computed from its cells."""
+    if not answered(records):
+        return f"on {device}: {nothing_measured(records)}"
     table = cells(records)
     loaded = [c for c in table if c["level"] > 1]
     moved = sum(c["differ from one at a time"] for c in loaded)
@@ -214,10 +229,13 @@ def device_totals(records: list[Record]) -> dict:
 
 
 def load_facts(records: list[Record]) -> dict:
-    """What the first page's line on the guard under load states: per device its totals, and whether a GPU ran it."""
+    """What the first page's line on the guard under load states: per device its totals (or that nothing was
+    measured there), and whether a GPU answered under it."""
     loads = [r for r in records if r.kind == KIND]
-    return {"devices": {device: device_totals(rs) for device, rs in by_device(loads).items()},
-            "gpu": any(is_gpu(r) for r in loads)}
+    devices = by_device(loads)
+    return {"devices": {device: device_totals(rs) if answered(rs) else {"nothing": nothing_measured(rs)}
+                        for device, rs in devices.items()},
+            "gpu": any(is_gpu(rs[0]) and answered(rs) for rs in devices.values())}
 
 
 def summary_values(records: list[Record]) -> dict:
@@ -228,6 +246,9 @@ def summary_values(records: list[Record]) -> dict:
     facts = load_facts(records)
     lines = []
     for device, t in facts["devices"].items():
+        if "nothing" in t:
+            lines.append(f"{device}: {t['nothing']}")
+            continue
         lines.append(f"{device}: near-tie end-of-text stops reached the client in {t['straight']} answers straight "
                      f"and {t['guarded']} through the guard ({t['answers']} answers at "
                      f"{', '.join(map(str, t['levels']))} requests in flight; {t['resumed']} resumed, "
@@ -267,6 +288,9 @@ def checklist_text(records: list[Record]) -> str:
         return NOT_RUN
     parts = []
     for device, rs in by_device(records).items():
+        if not answered(rs):
+            parts.append(f"on {device}, {nothing_measured(rs)}")
+            continue
         added = added_latency(rs)
         cost = ", ".join(f"{p50:+.2f} s at the median and {p95:+.2f} s at the 95th percentile at {level} in flight"
                          for level, (p50, p95) in added.items())

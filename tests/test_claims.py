@@ -88,9 +88,9 @@ def _other_hosts_surveys(root) -> list[Record]:
 
 
 def _other_hosts_case_scores(root) -> list[Record]:
-    """The classifier's labelled cases scored on another host, where it caught one more planted bug (a copy of the
+    """The classifier's labelled cases scored on another host, where it caught one more planted bug (a copy of a CPU
     build's record)."""
-    [path] = (root / "results" / "measured").glob("*/guidance/classifier-cases-*.json")
+    path = sorted((root / "results" / "measured").glob("cpu-*/guidance/classifier-cases-*.json"))[0]
     stored = read_stored(path)
     stored["id"] = "classifier-cases-cpu-0123456789ab"
     stored["fingerprint"].update(host_id="0123456789ab", source_commit=None)

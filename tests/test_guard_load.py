@@ -38,12 +38,15 @@ def test_each_level_sends_every_prompt_and_its_batches_of_copies():
     assert {r.label for r in plan[3][2]} == {"seed-5"}
 
 
-def load_record(server: str, cache: bool, rows: list[tuple]) -> object:
-    """A guard-load record whose rows are (level, route, prompt, finish_reason, output_tokens, digest)."""
-    return typed({"id": f"guard-load-{server}-{cache}", "kind": "guard-load", "chapter": "guidance",
-                  "environments": ["cpu"], "fingerprint": {"host_id": "h", "cpu": "a CPU"},
+def load_record(server: str, cache: bool, rows: list[tuple], fingerprint: dict | None = None,
+                error: str | None = None) -> object:
+    """A guard-load record whose rows are (level, route, prompt, finish_reason, output_tokens, digest); on a CPU
+    unless `fingerprint` says otherwise, of a server that started unless `error` says why not."""
+    fingerprint = fingerprint or {"host_id": "h", "cpu": "a CPU"}
+    return typed({"id": f"guard-load-{server}-{cache}-{fingerprint['host_id']}", "kind": "guard-load",
+                  "chapter": "guidance", "environments": ["cpu"], "fingerprint": fingerprint,
                   "parameters": {"server": server, "prefix_caching": cache},
-                  "results": {"error": None, "batches": [], "rows": [
+                  "results": {"error": error, "batches": [], "rows": [
                       {"level": level, "workload": "distinct", "route": route, "prompt": prompt, "error": None,
                        "finish_reason": finish, "output_tokens": tokens, "digest": digest, "seconds": 1.0,
                        "near_tie_stop": finish == "stop" and tokens < 96, "resumed": 0}
@@ -71,3 +74,21 @@ def test_what_load_and_prefix_caching_changed_is_counted_against_the_right_refer
     assert "changed answers there" in guard_load_page.checklist_text([plain, mtp, cached])
     assert "neither load nor prefix caching changed an answer" in guard_load_page.checklist_text([plain])
     assert "not measured on a GPU yet" in guard_load_page.summary_values([plain, mtp])["guard_devices"].text
+
+
+def test_a_device_whose_servers_all_failed_to_start_measured_nothing_and_is_said_so():
+    """A GPU whose every server failed to start (the records keep vLLM's error, and no row) is not a device where
+    0 of 0 answers stopped: each sentence says nothing was measured there and why, and the first page still says the
+    guard is not measured on a GPU; one answered request there would make it a measured device."""
+    error = "vllm serve: ModuleNotFoundError: No module named 'x'; the log's last lines"
+    gpu = {"host_id": "g", "gpu": "NVIDIA H100 80GB HBM3"}
+    broken = [load_record(server, True, [], gpu, error) for server in ("plain", "mtp-k1")]
+    cpu = load_record("plain", False, [(1, "straight", "seed-0", "length", 96, "A")])
+    said = guard_load_page.load_sentence("gpu", broken)
+    assert said == ("on gpu: nothing measured: 2 of 2 servers did not start (vllm serve: ModuleNotFoundError: No module"
+                    " named 'x'), and no request was answered")
+    assert "nothing measured: 2 of 2 servers" in guard_load_page.checklist_text([cpu, *broken])
+    line = guard_load_page.summary_values([cpu, *broken])["guard_devices"].text
+    assert "(host g): nothing measured: 2 of 2" in line and "not measured on a GPU yet" in line
+    answered = load_record("plain", True, [(1, "straight", "seed-0", "length", 96, "A")], gpu)
+    assert "not measured on a GPU yet" not in guard_load_page.summary_values([cpu, answered])["guard_devices"].text
