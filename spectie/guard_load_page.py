@@ -98,13 +98,26 @@ def cells(records: list[Record]) -> list[dict]:
     return table
 
 
-def failed(records: list[Record]) -> list[str]:
-    """The servers that did not start, with vLLM's error."""
+def error_head(error: str) -> str:
+    """vLLM's error without the traceback lines its log tail carries (the log's path within the project)."""
     import re
 
-    return [f"{r.parameters.server} with prefix caching {'on' if r.parameters.prefix_caching else 'off'}: "
-            + re.sub(r"/\S*?/(_build/logs/)", r"\1", r.results.error)[:240]  # the log's path within the project
-            for r in records if r.results.error]
+    kept = []
+    for part in error.split("; "):
+        if '.py"' in part or "^^^" in part:  # a traceback's frame: the log holds the rest
+            break
+        kept.append(re.sub(r"/\S*?/(_build/logs/)", r"\1", part))
+    return "; ".join(kept)[:240]
+
+
+def failed(records: list[Record]) -> list[str]:
+    """The servers that did not start, with vLLM's error: one line per device and error, naming its servers."""
+    servers = defaultdict(list)
+    for r in records:
+        if r.results.error:
+            setting = f"{r.parameters.server} (prefix caching {'on' if r.parameters.prefix_caching else 'off'})"
+            servers[(device_of(r), error_head(r.results.error))].append(setting)
+    return [f"on {device}, {and_list(sorted(names))}: {error}" for (device, error), names in servers.items()]
 
 
 def answered(records: list[Record]) -> bool:
@@ -115,7 +128,7 @@ def answered(records: list[Record]) -> bool:
 def nothing_measured(records: list[Record]) -> str:
     """What a device whose servers all failed measured: nothing, with how many failed and the first error's head."""
     errors = [r.results.error for r in records if r.results.error]
-    head = f" ({errors[0].split(';')[0][:120]})" if errors else ""
+    head = f" ({error_head(errors[0])})" if errors else ""
     return (f"nothing measured: {len(errors)} of {len(records)} servers did not start{head}, and no request was "
             "answered")
 
