@@ -77,17 +77,20 @@ def write_case_scores(rows: list[dict], model: str, threshold: float, origin: st
 
 def blind_spot(records: list[Record]) -> str:
     """The planted bug classes the classifier missed on its labelled cases, as a caveat; "" where none is recorded
-    or it missed none. Read from this project's case records (the widest miss over hosts)."""
+    or it missed none. Read from this project's case records: the one of the host where it caught fewest (each host
+    scores the cases at its own noise band), said as such where several hosts scored them."""
     cases = [r for r in records if r.kind == CASES_KIND]
     if not cases:
         return ""
-    record = max(cases, key=lambda r: r.finished_at or "")
+    record = min(cases, key=lambda r: (sum(row["right"] for row in r.results.rows if row["truth"] == "bug"), r.id))
     bugs = [row for row in record.results.rows if row["truth"] == "bug"]
     missed = sorted({row["class"] for row in bugs if not row["right"]})
     if not missed:
         return ""
     counts = ", ".join(f"{name} ({sum(not r['right'] for r in bugs if r['class'] == name)} of "
                        f"{sum(r['class'] == name for r in bugs)})" for name in missed)
+    where = (f" as scored on host {record.fingerprint.host_id}, the fewest of the {len(cases)} hosts that scored "
+             f"them" if len(cases) > 1 else "")
     return (f"the classifier caught {sum(row['right'] for row in bugs)} of {len(bugs)} planted bugs on its labelled "
-            f"cases; it missed planted bugs of {counts}: a near-tie verdict does not rule out a bug of "
+            f"cases{where}; it missed planted bugs of {counts}: a near-tie verdict does not rule out a bug of "
             f"{'those classes' if len(missed) > 1 else 'that class'} (measured on the organism, record `{record.id}`)")

@@ -287,8 +287,9 @@ def test_each_speculative_path_gets_its_own_verdict_and_it_turns_with_the_record
 def test_the_classifiers_blind_spot_is_said_from_its_labelled_cases():
     from spectie.divergence_verdicts import CASES_KIND, blind_spot
 
-    def cases(rows):
-        return typed({"id": "classifier-cases-cpu-x", "kind": CASES_KIND, "chapter": "guidance",
+    def cases(rows, host="x"):
+        return typed({"id": f"classifier-cases-cpu-{host}", "kind": CASES_KIND, "chapter": "guidance",
+                      "fingerprint": {"host_id": host},
                       "finished_at": "2026-12-07T00:00:00+00:00", "parameters": {"model": "organism", "threshold": 0.1},
                       "results": {"rows": [{"class": c, "truth": t, "right": ok} for c, t, ok in rows]}})
 
@@ -297,6 +298,10 @@ def test_the_classifiers_blind_spot_is_said_from_its_labelled_cases():
     assert said.startswith("the classifier caught 1 of 3 planted bugs") and "missed planted bugs of lost state (2 of 2):" in said
     assert "record `classifier-cases-cpu-x`" in said
     assert blind_spot([cases([("gate", "bug", True)])]) == "" and blind_spot([]) == ""
+    fewer = cases([("lost state", "bug", False), ("lost state", "bug", False), ("gate", "bug", False)], "y")
+    said = blind_spot([cases([("gate", "bug", True), ("lost state", "bug", False)]), fewer])
+    assert said.startswith("the classifier caught 0 of 3 planted bugs on its labelled cases as scored on host y, the "
+                           "fewest of the 2 hosts that scored them;") and "gate (1 of 1)" in said
 
 
 def test_one_reason_per_engine_environment_however_many_hosts_classified_it(reported):
