@@ -138,7 +138,14 @@ def request_matrix(matrix: Matrix, request: Request, repeats: int) -> Matrix:
         runnable = [replace(like, id=f"request-{method}-k{k}", method=method, k=k, expect="ok")]
     configs = tuple(replace(c, max_tokens=request.max_tokens, repeats=repeats, temperature=0.0, ignore_eos=False)
                     for c in [base, *runnable])
-    return replace(matrix, name=f"diagnose-{matrix.name}", configs=configs)
+    return replace(matrix, name=f"diagnose-{request_label(request.source)}-{matrix.name}", configs=configs)
+
+
+def request_label(source: str) -> str:
+    """A request's name in its records' ids, so that diagnoses of different requests can share one results folder:
+    the file's name in letters, digits and dashes, and the line of a JSONL log ("log.jsonl:3" -> "log-line-3")."""
+    name, _, line = Path(source).name.partition(":")
+    return page_name(name) + (f"-line-{line}" if line else "")
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from conftest import HAS_VLLM, run_cli, survey_near_tie, this_hosts_survey
-from spectie.diagnose import make_diagnosis, page_name, read_request, request_matrix
+from spectie.diagnose import make_diagnosis, page_name, read_request, request_label, request_matrix
 from spectie.engines.matrix import read_matrix
 from spectie.errors import UsageError
 
@@ -70,6 +70,9 @@ def test_the_requests_own_speculative_config_runs_beside_plain_greedy_with_its_m
     # the CPU matrix's speculative configurations that are expected to run (not those vLLM refuses or crashes on)
     assert [c.id for c in every.configs] == ["plain", "mtp-k1", "mtp-k3", "mtp-k8", "ngram"]
     assert page_name("/x/My Request.jsonl") == "my-request"
+    assert own.name == "diagnose-r-cpu"  # a record id names its request: two requests' records can sit together
+    assert request_label("/x/incident-seed-1.json") == "incident-seed-1"
+    assert request_label("/x/log.jsonl:3") == "log-line-3"
 
 
 def test_bad_parameters_exit_2_with_one_line_before_any_engine(tmp_path):
