@@ -247,24 +247,6 @@ def misplaced(record: dict, path: Path, results_dir: Path) -> str | None:
     return None if path.resolve() == expected.resolve() else f"a measured record belongs at {expected}"
 
 
-_READ: dict[Path, tuple[tuple[int, int], dict, Record]] = {}  # a file's (mtime, size) -> what it held, per process
-
-
-def read_once(path: Path) -> tuple[dict, Record]:
-    """A record file, validated and typed, read again only when it changed (its modification time or size): a
-    process that loads the records several times (a chapter, the guard, a test worker) reads each file once."""
-    try:
-        status = path.stat()
-    except OSError:
-        raise RecordError(str(path), "(file)", "no such file") from None
-    stamp = (status.st_mtime_ns, status.st_size)
-    kept = _READ.get(path)
-    if kept is None or kept[0] != stamp:
-        stored = read_stored(path)
-        kept = _READ[path] = (stamp, stored, Record.from_dict(stored, where=str(path)))
-    return kept[1], kept[2]
-
-
 def check_records(results_dir: str | os.PathLike | None = None, chapter: str | None = None,
                   provenance: str | None = None) -> tuple[list[Record], list[RecordError]]:
     """Read every record file under results/ (or those of one chapter or provenance, `record_paths`); return the
@@ -273,7 +255,8 @@ def check_records(results_dir: str | os.PathLike | None = None, chapter: str | N
     records, problems, seen = [], [], {}
     for path in record_paths(results_dir, chapter, provenance):
         try:
-            stored, record = read_once(path)
+            stored = read_stored(path)
+            record = Record.from_dict(stored, where=str(path))
         except RecordError as exc:
             problems.append(exc)
             continue

@@ -400,21 +400,3 @@ def test_a_new_machine_of_identical_hardware_reuses_its_twins_measurements(tmp_p
     assert kept_on_this_device(own, lambda r: r.fingerprint.cpu.startswith("AMD")) is None  # other hardware
     twin.unlink()
     assert standing_hosts("cpu", tmp_path) == ["aaaaaaaaaaaa"] and recorded_measurement(own, "key-here") is None
-
-
-def test_a_record_file_is_read_again_when_it_changes_and_only_then(tmp_path, measured_record):
-    """Loading the records twice in one process reads each file once; a file rewritten in between is read anew,
-    and a file made invalid is reported, not served from memory."""
-    from spectie import records
-
-    folder = tmp_path / "measured" / f"{measured_record['environments'][0]}-{measured_record['fingerprint']['host_id']}"
-    path = folder / measured_record["chapter"] / f"{measured_record['id']}.json"
-    path.parent.mkdir(parents=True)
-    path.write_text(json.dumps(measured_record))
-    first = records.load_records(tmp_path)
-    assert records.load_records(tmp_path)[0] is first[0]  # not read again
-    path.write_text(json.dumps({**measured_record, "title": "another title, a longer one"}))
-    assert records.load_records(tmp_path)[0].title == "another title, a longer one"
-    path.write_text("{")
-    with pytest.raises(records.RecordError, match="not valid JSON"):
-        records.load_records(tmp_path)
