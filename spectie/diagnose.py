@@ -254,7 +254,8 @@ def write_page(request_path: str | Path, model: str = "organism", environment: s
     for said in host.check("reproduce", diagnosis.environment, {"model": model, "device": device}):
         log(f"host check: {said}")
     log(diagnosis.describe())
-    if not (Path(sys.prefix) / "bin" / "jupyter-book").exists():
+    book = Path(sys.prefix) / "bin" / "jupyter-book"
+    if not book.exists():
         log(f"jupyter-book is not installed in {sys.prefix}: the page will be an executed notebook, not HTML")
     root = project_root()
     out = out or root / "_build" / "diagnose" / (name or page_name(request_path))
@@ -263,7 +264,6 @@ def write_page(request_path: str | Path, model: str = "organism", environment: s
                   "results_dir": str(out / "results")}
     page = execute(Chapter("diagnose", "notebooks/diagnose.ipynb", (), "one request, diagnosed"), parameters,
                    output=out / "diagnose.ipynb")
-    book = Path(sys.prefix) / "bin" / "jupyter-book"
     if not book.exists():  # a serving host's minimal install: the executed notebook is the page
         log(f"executed page: {page}\nrecords: {out / 'results'}\nno HTML: jupyter-book is not installed in "
             f"{sys.prefix} (make setup installs it); the executed notebook holds the verdict")

@@ -75,6 +75,18 @@ def write_case_scores(rows: list[dict], model: str, threshold: float, origin: st
     return kept_or_written(record)
 
 
+def score_counts(rows: list[dict]) -> dict:
+    """How the classifier did on labelled cases (rows from divergence_cases.classify_cases): near-ties called
+    right, planted bugs caught, and the bugs missed per class (in the rows' order)."""
+    ties, bugs = ([r for r in rows if r["truth"] == truth] for truth in ("near-tie", "bug"))
+    missed: dict[str, int] = {}
+    for r in bugs:
+        if not r["right"]:
+            missed[r["class"]] = missed.get(r["class"], 0) + 1
+    return {"near_ties": len(ties), "near_ties_right": sum(r["right"] for r in ties), "bugs": len(bugs),
+            "bugs_caught": sum(r["right"] for r in bugs), "missed": missed}
+
+
 def blind_spot(records: list[Record]) -> str:
     """The planted bug classes the classifier missed on its labelled cases, as a caveat; "" where none is recorded
     or it missed none. Read from this project's case records: the one of the host where it caught fewest (each host
@@ -82,15 +94,15 @@ def blind_spot(records: list[Record]) -> str:
     cases = [r for r in records if r.kind == CASES_KIND]
     if not cases:
         return ""
-    record = min(cases, key=lambda r: (sum(row["right"] for row in r.results.rows if row["truth"] == "bug"), r.id))
-    bugs = [row for row in record.results.rows if row["truth"] == "bug"]
-    missed = sorted({row["class"] for row in bugs if not row["right"]})
-    if not missed:
+    record = min(cases, key=lambda r: (score_counts(r.results.rows)["bugs_caught"], r.id))
+    scored = score_counts(record.results.rows)
+    if not scored["missed"]:
         return ""
-    counts = ", ".join(f"{name} ({sum(not r['right'] for r in bugs if r['class'] == name)} of "
-                       f"{sum(r['class'] == name for r in bugs)})" for name in missed)
+    bugs = [row for row in record.results.rows if row["truth"] == "bug"]
+    counts = ", ".join(f"{name} ({scored['missed'][name]} of {sum(r['class'] == name for r in bugs)})"
+                       for name in sorted(scored["missed"]))
     where = (f" as scored on host {record.fingerprint.host_id}, the fewest of the {len(cases)} hosts that scored "
              f"them" if len(cases) > 1 else "")
-    return (f"the classifier caught {sum(row['right'] for row in bugs)} of {len(bugs)} planted bugs on its labelled "
+    return (f"the classifier caught {scored['bugs_caught']} of {scored['bugs']} planted bugs on its labelled "
             f"cases{where}; it missed planted bugs of {counts}: a near-tie verdict does not rule out a bug of "
-            f"{'those classes' if len(missed) > 1 else 'that class'} (measured on the organism, record `{record.id}`)")
+            f"{'those classes' if len(scored['missed']) > 1 else 'that class'} (measured on the organism, record `{record.id}`)")

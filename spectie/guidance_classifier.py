@@ -140,21 +140,9 @@ def class_counts(cases: list[dict]) -> str:
     return ", ".join(f"{name}: {count}" for name, count in counts.items())
 
 
-def score_counts(rows: list[dict]) -> dict:
-    """How the classifier did on labelled cases (rows from divergence_cases.classify_cases): near-ties called
-    right, planted bugs caught, and the bugs missed per class (in the rows' order)."""
-    ties, bugs = ([r for r in rows if r["truth"] == truth] for truth in ("near-tie", "bug"))
-    missed: dict[str, int] = {}
-    for r in bugs:
-        if not r["right"]:
-            missed[r["class"]] = missed.get(r["class"], 0) + 1
-    return {"near_ties": len(ties), "near_ties_right": sum(r["right"] for r in ties), "bugs": len(bugs),
-            "bugs_caught": sum(r["right"] for r in bugs), "missed": missed}
-
-
 def classifier_score_text(rows: list[dict]) -> str:
     """How the classifier did on the labelled cases, in words (rows from divergence_cases.classify_cases)."""
-    counts = score_counts(rows)
+    counts = divergence_verdicts.score_counts(rows)
     text = (f"it called {counts['near_ties_right']} of {counts['near_ties']} near-ties near-ties and caught "
             f"{counts['bugs_caught']} of {counts['bugs']} planted bugs")
     if counts["missed"]:
@@ -169,9 +157,9 @@ def classifier_score_text(rows: list[dict]) -> str:
 
 
 def case_score_facts(records: list[Record]) -> list[dict]:
-    """Per record of the classifier on the labelled cases among `records`: its `score_counts` (what
-    `classifier_score_text` states)."""
-    return [score_counts(r.results.rows)
+    """Per record of the classifier on the labelled cases among `records`: its `divergence_verdicts.score_counts`
+    (what `classifier_score_text` states)."""
+    return [divergence_verdicts.score_counts(r.results.rows)
             for r in sorted((r for r in records if r.kind == divergence_verdicts.CASES_KIND), key=lambda r: r.id)]
 
 
