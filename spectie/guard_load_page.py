@@ -111,13 +111,16 @@ def error_head(error: str) -> str:
 
 
 def failed(records: list[Record]) -> list[str]:
-    """The servers that did not start, with vLLM's error: one line per device and error, naming its servers."""
+    """The servers that did not start, with vLLM's error: one line per device, error and project commit (whose
+    environment lock installed that server), naming its servers."""
     servers = defaultdict(list)
     for r in records:
         if r.results.error:
             setting = f"{r.parameters.server} (prefix caching {'on' if r.parameters.prefix_caching else 'off'})"
-            servers[(device_of(r), error_head(r.results.error))].append(setting)
-    return [f"on {device}, {and_list(sorted(names))}: {error}" for (device, error), names in servers.items()]
+            commit = r.fingerprint.source_commit
+            servers[(device_of(r), error_head(r.results.error), commit[:7] if commit else None)].append(setting)
+    return [f"on {device}, {and_list(sorted(names))}: {error}" + (f" (installed from commit {commit})" if commit else "")
+            for (device, error, commit), names in servers.items()]
 
 
 def answered(records: list[Record]) -> bool:

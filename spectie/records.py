@@ -148,13 +148,21 @@ def recorded_measurement(path: str | os.PathLike, key: str) -> Record | None:
     `path`, else the same measurement by another host of the environment (`twin_paths`). The key holds the device
     (CPU model and ISA flags, GPU models), so another host's record matches only where its hardware is this one's:
     a new machine of identical hardware measures nothing again, and the record it reuses names the host that made
-    it. None where no record holds the key (none, unreadable, another measurement, or interrupted)."""
+    it. None where no record holds the key (none, unreadable, another measurement, interrupted, or did not start)."""
     for candidate in (Path(path), *twin_paths(path)):
         record = read_if_valid(candidate)
         if record is not None and record.parameters.measurement_key == key \
-                and getattr(record.results, "status", None) != "interrupted":
+                and getattr(record.results, "status", None) != "interrupted" and not did_not_start(record):
             return record
     return None
+
+
+def did_not_start(record: Record) -> bool:
+    """A run that failed before its first answer (an error and no row: a `vllm serve` that never came up) measured
+    nothing about the engine: its failure is the installation's, so it is made again, not reused, once that is
+    mended. A run that answered and then failed, or an engine that crashed on a request, is a result and stays."""
+    results = record.results
+    return bool(getattr(results, "error", None)) and getattr(results, "rows", None) == []
 
 
 HOST_ID_PATTERN = re.compile(r"[0-9a-f]{12}")

@@ -81,7 +81,7 @@ def test_a_device_whose_servers_all_failed_to_start_measured_nothing_and_is_said
     0 of 0 answers stopped: each sentence says nothing was measured there and why, and the first page still says the
     guard is not measured on a GPU; one answered request there would make it a measured device."""
     error = "vllm serve: ModuleNotFoundError: No module named 'x'; r/entry.py\", line 137, in build ^^^^ File \".venvs"
-    gpu = {"host_id": "g", "gpu": "NVIDIA H100 80GB HBM3"}
+    gpu = {"host_id": "g", "gpu": "NVIDIA H100 80GB HBM3", "source_commit": "30dbd9e13b974bf2"}
     broken = [load_record(server, True, [], gpu, error) for server in ("plain", "mtp-k1")]
     cpu = load_record("plain", False, [(1, "straight", "seed-0", "length", 96, "A")])
     said = guard_load_page.load_sentence("gpu", broken)
@@ -90,7 +90,7 @@ def test_a_device_whose_servers_all_failed_to_start_measured_nothing_and_is_said
     assert "nothing measured: 2 of 2 servers" in guard_load_page.checklist_text([cpu, *broken])
     assert guard_load_page.failed(broken) == ["on cpu, NVIDIA H100 80GB HBM3 (host g), mtp-k1 (prefix caching on) and "
                                               "plain (prefix caching on): vllm serve: ModuleNotFoundError: No module "
-                                              "named 'x'"]
+                                              "named 'x' (installed from commit 30dbd9e)"]
     line = guard_load_page.summary_values([cpu, *broken])["guard_devices"].text
     assert "(host g): nothing measured: 2 of 2" in line and "not measured on a GPU yet" in line
     answered = load_record("plain", True, [(1, "straight", "seed-0", "length", 96, "A")], gpu)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import typed
+from conftest import ROOT, typed
 from spectie.record_types import KINDS, EngineConfiguration, EngineOutcome, Fingerprint, Record
 from spectie.records import (SCHEMA_PATH, RecordError, check_records, load_records, measured_path, read_record,
                              record_paths, validate_record, write_record)
@@ -289,6 +289,20 @@ def test_a_measurement_is_reused_only_where_weights_arguments_and_code_are_the_s
     source.write_text(source.read_text() + "\n# edited\n")
     assert recorded_measurement(path, measurement_key("margins", str(tmp_path / "a"), {"prompts": 2}, sources)) is None
     assert recorded_measurement(tmp_path / "missing.json", key) is None
+
+
+def test_a_server_that_never_started_is_measured_again_not_reused(tmp_path):
+    """A guard-load record whose `vllm serve` died at start (a package missing from the lock) holds no answer: once
+    the installation is mended, the same measurement runs again rather than reusing that failure."""
+    from spectie.records import read_stored, recorded_measurement
+
+    failed = read_stored(next(ROOT.glob("results/measured/*/guidance/guard-load-*-7b936fc092bb.json")))
+    assert failed["results"]["error"] and failed["results"]["rows"] == []
+    key = failed["parameters"]["measurement_key"]
+    path = write_record(failed, tmp_path / "failed.json")
+    assert recorded_measurement(path, key) is None
+    answered = {**failed, "results": {**failed["results"], "rows": [{"error": None}]}}
+    assert recorded_measurement(write_record(answered, tmp_path / "answered.json"), key) is not None
 
 
 def test_every_stored_record_is_a_record_of_its_kind_holding_the_file_as_it_is():
