@@ -111,7 +111,7 @@ def error_head(error: str) -> str:
 
 
 def failed(records: list[Record]) -> list[str]:
-    """The servers that did not start, with vLLM's error: one line per device, error and project commit (whose
+    """The servers that did not start, with vLLM's error: one line per device, error and the project's commit (its
     environment lock installed that server), naming its servers."""
     servers = defaultdict(list)
     for r in records:
@@ -119,7 +119,7 @@ def failed(records: list[Record]) -> list[str]:
             setting = f"{r.parameters.server} (prefix caching {'on' if r.parameters.prefix_caching else 'off'})"
             commit = r.fingerprint.source_commit
             servers[(device_of(r), error_head(r.results.error), commit[:7] if commit else None)].append(setting)
-    return [f"on {device}, {and_list(sorted(names))}: {error}" + (f" (installed from commit {commit})" if commit else "")
+    return [f"on {device}, {and_list(sorted(names))}: {error}" + (f" (project at commit {commit})" if commit else "")
             for (device, error, commit), names in servers.items()]
 
 
@@ -148,19 +148,33 @@ def load_sentence(device: str, records: list[Record]) -> str:
                      for c in table if c["level"] == 1 and c["workload"] == "distinct"}
     earlier_loaded = sum(c["earlier than plain"] for c in loaded)
     levels = sorted({c["level"] for c in loaded})
-    servers = sorted({c["server"] for c in table})
     rows = [row for r in records for row in r.results.rows or [] if not row["error"]]
     stops = sum(row.get("finish_reason") == "stop" for row in rows)
-    text = (f"on {device} ({', '.join(servers)}; levels {', '.join(map(str, [1, *levels]))}): "
+    text = (f"on {device} ({settings(records)}; levels {', '.join(map(str, [1, *levels]))}): "
             f"{stops} of {len(rows)} answers ended on an end-of-text token; "
             f"{moved} of {sum(c['requests'] - c['errors'] for c in loaded)} answers under load differed from the same "
             f"server's answer one at a time; {earlier_loaded} stopped earlier than plain greedy under load, against "
             f"{sum(earlier_alone.values())} one at a time")
     by_cache = cache_effect(records)
     if by_cache is not None:
-        text += (f"; with prefix caching on, {by_cache[0]} of {by_cache[1]} one-at-a-time answers differed from "
-                 "the same server's with it off")
+        ran = [r for r in records if r.results.rows]
+        compared = and_list(sorted({r.parameters.server for r in ran if not r.parameters.prefix_caching}
+                                   & {r.parameters.server for r in ran if r.parameters.prefix_caching}))
+        text += (f"; with prefix caching on, {by_cache[0]} of {by_cache[1]} one-at-a-time answers ({compared}) "
+                 "differed from the same server's with it off")
     return text
+
+
+def settings(records: list[Record]) -> str:
+    """The servers that answered in these records, with the prefix-caching settings each answered with, in words:
+    "plain with prefix caching on and off; mtp-k1 with prefix caching on"."""
+    runs = defaultdict(set)
+    for r in records:
+        if r.results.rows:
+            runs[r.parameters.server].add(r.parameters.prefix_caching)
+    words = {frozenset({True, False}): "on and off", frozenset({True}): "on", frozenset({False}): "off"}
+    return "; ".join(f"{and_list(sorted(s for s in runs if frozenset(runs[s]) == cache))} with prefix caching {said}"
+                     for cache, said in words.items() if any(frozenset(v) == cache for v in runs.values()))
 
 
 def cache_effect(records: list[Record]) -> tuple[int, int] | None:

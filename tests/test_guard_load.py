@@ -66,9 +66,11 @@ def test_what_load_and_prefix_caching_changed_is_counted_against_the_right_refer
     assert rows[("mtp-k1", "off", 1)]["earlier than plain"] == 0 and rows[("plain", "off", 8)]["earlier than plain"] == 0
     assert rows[("mtp-k1", "on", 1)]["earlier than plain"] == 1
     assert guard_load_page.cache_effect([plain, mtp, cached]) == (1, 1)
+    assert guard_load_page.settings([plain, mtp, cached]) == ("mtp-k1 with prefix caching on and off; plain with "
+                                                              "prefix caching off")
     text = guard_load_page.load_sentence("cpu, a CPU (host h)", [plain, mtp, cached])
     assert "1 of 3 answers under load differed" in text and "1 stopped earlier than plain greedy under load" in text
-    assert "with prefix caching on, 1 of 1 one-at-a-time answers differed" in text
+    assert "with prefix caching on, 1 of 1 one-at-a-time answers (mtp-k1) differed" in text
     calm = guard_load_page.load_sentence("d", [plain])
     assert "0 of 1 answers under load differed" in calm and "prefix caching on" not in calm
     assert "changed answers there" in guard_load_page.checklist_text([plain, mtp, cached])
@@ -90,7 +92,8 @@ def test_a_device_whose_servers_all_failed_to_start_measured_nothing_and_is_said
     assert "nothing measured: 2 of 2 servers" in guard_load_page.checklist_text([cpu, *broken])
     assert guard_load_page.failed(broken) == ["on cpu, NVIDIA H100 80GB HBM3 (host g), mtp-k1 (prefix caching on) and "
                                               "plain (prefix caching on): vllm serve: ModuleNotFoundError: No module "
-                                              "named 'x' (installed from commit 30dbd9e)"]
+                                              "named 'x' (project at commit 30dbd9e)"]
+    assert guard_load_page.settings([cpu, *broken]) == "plain with prefix caching off"  # a server that answered
     line = guard_load_page.summary_values([cpu, *broken])["guard_devices"].text
     assert "(host g): nothing measured: 2 of 2" in line and "not measured on a GPU yet" in line
     answered = load_record("plain", True, [(1, "straight", "seed-0", "length", 96, "A")], gpu)
