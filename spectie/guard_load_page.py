@@ -260,11 +260,14 @@ def device_totals(records: list[Record]) -> dict:
 
 def load_facts(records: list[Record]) -> dict:
     """What the first page's line on the guard under load states: per device its totals (or that nothing was
-    measured there), and whether a GPU answered under it."""
+    measured there, unless another host of the same environment and CPU or GPU answered: a failed install there
+    says nothing about the guard, and the guidance chapter keeps its error), and whether a GPU answered under it."""
     loads = [r for r in records if r.kind == KIND]
     devices = by_device(loads)
+    hardware = lambda rs: (rs[0].environment, rs[0].fingerprint.gpu or rs[0].fingerprint.cpu)  # noqa: E731
+    measured = {hardware(rs) for rs in devices.values() if answered(rs)}
     return {"devices": {device: device_totals(rs) if answered(rs) else {"nothing": nothing_measured(rs)}
-                        for device, rs in devices.items()},
+                        for device, rs in devices.items() if answered(rs) or hardware(rs) not in measured},
             "gpu": any(is_gpu(rs[0]) and answered(rs) for rs in devices.values())}
 
 

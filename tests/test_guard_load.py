@@ -96,5 +96,7 @@ def test_a_device_whose_servers_all_failed_to_start_measured_nothing_and_is_said
     assert guard_load_page.settings([cpu, *broken]) == "plain with prefix caching off"  # a server that answered
     line = guard_load_page.summary_values([cpu, *broken])["guard_devices"].text
     assert "(host g): nothing measured: 2 of 2" in line and "not measured on a GPU yet" in line
-    answered = load_record("plain", True, [(1, "straight", "seed-0", "length", 96, "A")], gpu)
+    answered = load_record("plain", True, [(1, "straight", "seed-0", "length", 96, "A")], {**gpu, "host_id": "k"})
     assert "not measured on a GPU yet" not in guard_load_page.summary_values([cpu, answered])["guard_devices"].text
+    line = guard_load_page.summary_values([cpu, answered, *broken])["guard_devices"].text  # same GPU, another host
+    assert "(host k)" in line and "(host g)" not in line and "nothing measured" not in line
