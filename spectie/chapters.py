@@ -61,6 +61,10 @@ CHAPTERS = {
                  "sources/classifier_cases.json"),
                 "Guidance for operators: each workaround against the records, the tie-stop detector and the "
                 "divergence classifier on the recorded runs, a decision path"),
+        Chapter("diagnose", "notebooks/diagnose.ipynb",
+                ("artifacts/organism/*.json", "artifacts/organism/*.safetensors", "examples/requests/*.json",
+                 "examples/requests/diagnosed/**/*.json", "sources/fix_ledger.json"),
+                "Appendix: `make diagnose` on one request (the incident's seed-1 listing), run here through vLLM"),
         Chapter("environments", "notebooks/environments.ipynb", ("results/**/*.json",),
                 "Environments appendix, generated from environments/ and the records", environments="all"),
         Chapter("summary", "notebooks/summary.ipynb", ("results/**/*.json",),
@@ -68,7 +72,7 @@ CHAPTERS = {
                 environments="all"),
         Chapter("execution", "notebooks/execution.ipynb",
                 tuple(f"{EXECUTED_DIR}/{name}.ipynb" for name in ("incident", "margins", "reproduce", "reduction_order",
-                                                                  "guidance", "environments", "summary"))
+                                                                  "guidance", "diagnose", "environments", "summary"))
                 + ("results/measured/*/execution/*.json",),
                 "Appendix: when, where and how long each chapter of this build ran, and how long builds take"),
     )

@@ -229,6 +229,20 @@ def run(diagnosis: Diagnosis, results_dir: Path, content_hash: str | None = None
                       model_label=diagnosis.model_label, progress=progress, results_dir=results_dir)
 
 
+DIAGNOSED = "examples/requests/diagnosed"  # committed diagnoses: <request>/results/, a folder per environment and host
+
+
+def diagnosed_elsewhere(request_path: str | Path, here: list) -> list:
+    """The same request's committed diagnoses by other environments or hosts (DIAGNOSED/<request>/results/), this
+    run's own records left out: what the page shows beside its own verdict."""
+    from spectie.paths import project_root
+    from spectie.records import load_records
+
+    folder = project_root() / DIAGNOSED / page_name(request_path) / "results"
+    own = {r.id for r in here}
+    return [r for r in load_records(folder, chapter="reproduce") if r.id not in own] if folder.is_dir() else []
+
+
 def page_name(request_path: str | Path) -> str:
     """A diagnosis's folder name under _build/diagnose/: the request file's name, in letters, digits and dashes."""
     import re

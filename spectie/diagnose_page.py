@@ -222,8 +222,6 @@ def response_text(diagnosis, threshold: float) -> str:
 def page_values(records: list[Record], diagnosis) -> dict:
     """The page's glue values: the request, the four answers in order, the configurations' table, the repeat grid,
     the fix ledger for the installed release, the operator's own response, and where the records came from."""
-    import pandas as pd
-
     from spectie import reproduce
     from spectie.records import provenance_line
     from spectie.thresholds import detector_threshold_for_model, threshold_for_model
@@ -244,5 +242,35 @@ def page_values(records: list[Record], diagnosis) -> dict:
             "references": references_text(found, band, band_origin),
             "threshold": threshold, "threshold_origin": origin, "ledger": ledger_text(version),
             "response_check": response_text(diagnosis, threshold),
-            "configurations_table": pd.DataFrame(rows).style.format(precision=3, na_rep="—").hide(axis="index"),
+            "configurations_table": styled(rows),
             "repeat_grid": grid, "provenance": provenance_line(records)}
+
+
+def styled(rows: list[dict]):
+    """Configuration rows as a table: margins to 3 decimals, a token position as a whole number, "—" for none."""
+    import pandas as pd
+
+    frame = pd.DataFrame(rows).astype({"first parted at output token": "Int64"})
+    return frame.style.format(precision=3, na_rep="—").hide(axis="index")
+
+
+def elsewhere_values(records: list[Record]) -> dict:
+    """The same request diagnosed elsewhere (spectie.diagnose.diagnosed_elsewhere): per environment and host, how many
+    repeats of each configuration stopped and the tokens they wrote, in a sentence and a table."""
+    from spectie.records import provenance_line
+
+    groups = {}
+    for r in records:
+        f = r.fingerprint
+        groups.setdefault(f"{r.environment}, {f.gpu or f.cpu} (host {f.host_id})", []).append(r)
+    if not groups:
+        return {"elsewhere": "none committed for this request", "elsewhere_table": "—", "provenance_elsewhere": ""}
+    said, table = [], []
+    for where, rs in groups.items():
+        rows = [{k: v for k, v in row.items() if k != "flagged by the detector"}
+                for row in configuration_rows(rs, threshold=0.0)]
+        said.append(f"{where}: " + "; ".join(f"{row['configuration']} stopped in {row['stopped']} of {row['repeats']} "
+                                             f"repeats (tokens written: {row['tokens written']})" for row in rows))
+        table += [{"where": where, **row} for row in rows]
+    return {"elsewhere": " · ".join(said), "provenance_elsewhere": provenance_line(records),
+            "elsewhere_table": styled(table)}

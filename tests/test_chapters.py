@@ -11,7 +11,7 @@ from spectie.errors import UsageError
 
 
 def test_an_unknown_chapter_lists_the_valid_ones():
-    with pytest.raises(UsageError, match="unknown chapter 'nope'; valid chapters: incident, margins, reproduce, reduction_order, guidance, environments"):
+    with pytest.raises(UsageError, match="unknown chapter 'nope'; valid chapters: incident, margins, reproduce, reduction_order, guidance, diagnose, environments"):
         get_chapter("nope")
 
 

@@ -163,3 +163,20 @@ def test_a_suspected_bug_is_laid_on_speculation_only_where_its_own_tokens_leave_
     assert own_side.startswith("a suspected correctness bug (mtp-k1): report it upstream")
     wide_first = diagnose_page.advice_text(rows, {"mtp-k1": flagged([], [], margin=-2.5)}, "Yes")
     assert wide_first.startswith("a suspected correctness bug (mtp-k1)")
+
+
+def test_the_same_requests_diagnoses_elsewhere_are_read_from_the_committed_records():
+    """The page shows, beside its own verdict, every other committed diagnosis of the same request: the H100's of
+    seed 1 (vLLM 0.32.0) stopped with MTP K=1 in every repeat after 11 tokens, plain greedy in none. A run's own
+    records are not 'elsewhere', and a request nobody diagnosed has nothing there."""
+    from spectie.diagnose import diagnosed_elsewhere
+    from spectie.diagnose_page import elsewhere_values
+
+    found = diagnosed_elsewhere("examples/requests/incident-seed-1.json", [])
+    h100 = [r for r in found if r.fingerprint.host_id == "7b936fc092bb"]
+    said = elsewhere_values(h100)["elsewhere"]
+    assert said == ("v0.32.0-h100, NVIDIA H100 80GB HBM3 (host 7b936fc092bb): plain stopped in 0 of 10 repeats (tokens "
+                    "written: 96); request-mtp-k1 stopped in 10 of 10 repeats (tokens written: 11)")
+    assert diagnosed_elsewhere("examples/requests/incident-seed-1.json", found) == []
+    assert diagnosed_elsewhere("my-own-request.json", []) == []
+    assert elsewhere_values([])["elsewhere"] == "none committed for this request"
