@@ -17,15 +17,15 @@ def _text(html_file: Path) -> str:
 
 def test_the_build_succeeds_without_warnings_executing_no_more_than_the_stale_check_names(built):
     """The build succeeds without a Sphinx warning and executes the chapters `spectie stale` named, in order, and
-    the execution appendix after any of them (nothing else). From a clean clone that is all eight, said literally
+    the execution appendix after any of them (nothing else). From a clean clone that is all nine, said literally
     below; on a built checkout it may be none. Which chapters an edit makes stale is checked against hand-written
     lists in test_make_run_on_a_new_environment_becomes_a_new_column and tests/test_chapters.py."""
     root, result, stale = built
     executed = re.findall(r"^\[executing\]  (\w+)", result.stdout, re.M)
     assert executed == stale + (["execution"] if stale and "execution" not in stale else []), result.stdout[-3000:]
     if not (ROOT / "book" / "generated").is_dir():  # a fresh clone: the whole book from clean
-        assert executed == ["incident", "margins", "reproduce", "reduction_order", "guidance", "environments",
-                            "summary", "execution"]
+        assert executed == ["incident", "margins", "reproduce", "reduction_order", "guidance", "diagnose",
+                            "environments", "summary", "execution"]
     text = _text(root / "_build" / "html" / "generated" / "execution.html")
     assert "Appendix: how this book was built" in text and "8 chapters have an executed copy" in text
     assert "build succeeded" in result.stdout

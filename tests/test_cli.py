@@ -17,7 +17,7 @@ def spectie(*args, cwd=ROOT):
 def test_unknown_chapter_and_environment():
     result = spectie("run", "nope")
     assert result.returncode == 2
-    assert "unknown chapter 'nope'; valid chapters: incident, margins, reproduce, reduction_order, guidance, environments" in result.stderr
+    assert "unknown chapter 'nope'; valid chapters: incident, margins, reproduce, reduction_order, guidance, diagnose, environments" in result.stderr
     result = spectie("run", "incident", "--env", "a100")
     assert result.returncode == 2
     assert "unknown environment 'a100'; valid environments:" in result.stderr and "v0.32.0-rtx4090" in result.stderr
