@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from spectie.guard_load import KIND
-from spectie.pages import and_list
+from spectie.pages import and_list, bullets
 from spectie.record_types import Record
 from spectie.records import load_records, provenance_line, same_weights
 
@@ -228,14 +228,16 @@ def load_values(page) -> dict:
     that did not start, and where every record came from."""
     import pandas as pd
 
+    from IPython.display import Markdown
+
     records = [r for r in load_records(chapter="guidance", kind=KIND) if same_weights(r, page.model)]
     if not records:
-        return {"load_text": NOT_RUN, "load_table": NOT_RUN, "load_speed_table": NOT_RUN, "load_failed": "—",
+        return {"load_text": Markdown(NOT_RUN), "load_table": NOT_RUN, "load_speed_table": NOT_RUN, "load_failed": "—",
                 "load_provenance": "no record yet", "load_checklist": NOT_RUN, "load_levels": "—"}
     devices = by_device(records)
     tables = {columns: pd.concat([device_table(short_device(rs[0]), rs, columns) for rs in devices.values()])
               for columns in (OUTCOMES, SPEED)}
-    return {"load_text": "; ".join(load_sentence(d, rs) for d, rs in devices.items()),
+    return {"load_text": Markdown(bullets([load_sentence(d, rs) for d, rs in devices.items()])),
             "load_table": tables[OUTCOMES].style, "load_speed_table": tables[SPEED].style,
             "load_failed": "; ".join(f for rs in devices.values() for f in failed(rs)) or "none",
             "load_provenance": provenance_line(records), "load_checklist": checklist_text(records),
@@ -315,6 +317,11 @@ def moved(records: list[Record]) -> bool:
             or bool(cache and cache[0]))
 
 
+def signed(seconds: float) -> str:
+    """Seconds to two decimals with their sign; a figure that rounds to zero is +0.00, not -0.00."""
+    return f"{round(seconds, 2) + 0.0:+.2f}"
+
+
 def checklist_text(records: list[Record]) -> str:
     """The operator checklist's line on load, per device, from the records: what moved and what the guard cost."""
     if not records:
@@ -325,7 +332,7 @@ def checklist_text(records: list[Record]) -> str:
             parts.append(f"on {device}, {nothing_measured(rs)}")
             continue
         added = added_latency(rs)
-        cost = ", ".join(f"{p50:+.2f} s at the median and {p95:+.2f} s at the 95th percentile at {level} in flight"
+        cost = ", ".join(f"{signed(p50)} s at the median and {signed(p95)} s at the 95th percentile at {level} in flight"
                          for level, (p50, p95) in added.items())
         noise = (" (a negative figure: the batches' own spread is larger than the guard's cost)"
                  if any(v < 0 for pair in added.values() for v in pair) else "")

@@ -100,3 +100,7 @@ def test_a_device_whose_servers_all_failed_to_start_measured_nothing_and_is_said
     assert "not measured on a GPU yet" not in guard_load_page.summary_values([cpu, answered])["guard_devices"].text
     line = guard_load_page.summary_values([cpu, answered, *broken])["guard_devices"].text  # same GPU, another host
     assert "(host k)" in line and "(host g)" not in line and "nothing measured" not in line
+
+
+def test_the_guards_added_seconds_keep_their_sign_and_zero_has_none():
+    assert [guard_load_page.signed(v) for v in (-0.004, 0.004, -0.21, 0.745)] == ["+0.00", "+0.00", "-0.21", "+0.74"]
