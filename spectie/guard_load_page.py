@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from spectie.guard_load import KIND
+from spectie.guard_load import KIND, SERVERS
 from spectie.pages import and_list, bullets
 from spectie.record_types import Record
 from spectie.records import load_records, provenance_line, same_weights
@@ -162,7 +162,8 @@ def load_sentence(device: str, records: list[Record]) -> str:
                                    & {r.parameters.server for r in ran if r.parameters.prefix_caching}))
         text += (f"; with prefix caching on, {by_cache[0]} of {by_cache[1]} one-at-a-time answers ({compared}) "
                  "differed from the same server's with it off")
-    return text
+    missing = not_run(records)
+    return f"{text}; {missing}" if missing else text
 
 
 def settings(records: list[Record]) -> str:
@@ -175,6 +176,24 @@ def settings(records: list[Record]) -> str:
     words = {frozenset({True, False}): "on and off", frozenset({True}): "on", frozenset({False}): "off"}
     return "; ".join(f"{and_list(sorted(s for s in runs if frozenset(runs[s]) == cache))} with prefix caching {said}"
                      for cache, said in words.items() if any(frozenset(v) == cache for v in runs.values()))
+
+
+def not_run(records: list[Record]) -> str:
+    """The servers and prefix-caching settings of the full plan (every server, caching on and off) that no record of
+    this device holds, with the command that runs them there (a run resumes: what is recorded is not sent again);
+    '' when all are recorded."""
+    done = {(r.parameters.server, r.parameters.prefix_caching) for r in records}
+    missing = defaultdict(list)
+    for cache in (True, False):
+        missing[cache] = [server for server in SERVERS if (server, cache) not in done]
+    said = [f"{and_list(servers)} with prefix caching {'on' if cache else 'off'}" for cache, servers in missing.items()
+            if servers]
+    if not said:
+        return ""
+    environment = records[0].environment
+    params = "cpu-guard-load.yaml" if environment == "cpu" else "v0.32.0-h100-guard-load.yaml"
+    return (f"not run yet there: {'; '.join(said)} (make run CHAPTER=guidance ENV={environment} "
+            f"PARAMS=environments/runs/{params})")
 
 
 def cache_effect(records: list[Record]) -> tuple[int, int] | None:
@@ -237,7 +256,8 @@ def load_values(page) -> dict:
     devices = by_device(records)
     tables = {columns: pd.concat([device_table(short_device(rs[0]), rs, columns) for rs in devices.values()])
               for columns in (OUTCOMES, SPEED)}
-    return {"load_text": Markdown(bullets([load_sentence(d, rs) for d, rs in devices.items()])),
+    sentences = [load_sentence(d, rs).replace("_", r"\_").replace("*", r"\*") for d, rs in devices.items()]  # text
+    return {"load_text": Markdown(bullets(sentences)),
             "load_table": tables[OUTCOMES].style, "load_speed_table": tables[SPEED].style,
             "load_failed": "; ".join(f for rs in devices.values() for f in failed(rs)) or "none",
             "load_provenance": provenance_line(records), "load_checklist": checklist_text(records),

@@ -72,7 +72,10 @@ def test_what_load_and_prefix_caching_changed_is_counted_against_the_right_refer
     assert "1 of 3 answers under load differed" in text and "1 stopped earlier than plain greedy under load" in text
     assert "with prefix caching on, 1 of 1 one-at-a-time answers (mtp-k1) differed" in text
     calm = guard_load_page.load_sentence("d", [plain])
-    assert "0 of 1 answers under load differed" in calm and "prefix caching on" not in calm
+    assert "0 of 1 answers under load differed" in calm and "with prefix caching on, " not in calm  # no pair to compare
+    assert calm.endswith("not run yet there: plain, mtp-k1 and mtp-k8 with prefix caching on; mtp-k1 and mtp-k8 with "
+                         "prefix caching off (make run CHAPTER=guidance ENV=cpu PARAMS=environments/runs/cpu-guard-load"
+                         ".yaml)")
     assert "changed answers there" in guard_load_page.checklist_text([plain, mtp, cached])
     assert "neither load nor prefix caching changed an answer" in guard_load_page.checklist_text([plain])
     assert "not measured on a GPU yet" in guard_load_page.summary_values([plain, mtp])["guard_devices"].text
@@ -104,3 +107,13 @@ def test_a_device_whose_servers_all_failed_to_start_measured_nothing_and_is_said
 
 def test_the_guards_added_seconds_keep_their_sign_and_zero_has_none():
     assert [guard_load_page.signed(v) for v in (-0.004, 0.004, -0.21, 0.745)] == ["+0.00", "+0.00", "-0.21", "+0.74"]
+
+
+def test_a_device_short_of_the_full_plan_says_what_is_not_run_yet_and_how():
+    gpu = {"host_id": "g", "gpu": "NVIDIA H100 80GB HBM3"}
+    ran = [load_record(server, True, [(1, "straight", "seed-0", "length", 96, "A")], gpu) for server in ("plain",)]
+    assert guard_load_page.not_run(ran) == ("not run yet there: mtp-k1 and mtp-k8 with prefix caching on; plain, "
+                                            "mtp-k1 and mtp-k8 with prefix caching off (make run CHAPTER=guidance "
+                                            "ENV=cpu PARAMS=environments/runs/cpu-guard-load.yaml)")
+    full = [load_record(s, c, [], gpu) for s in ("plain", "mtp-k1", "mtp-k8") for c in (True, False)]
+    assert guard_load_page.not_run(full) == ""
