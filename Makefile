@@ -89,7 +89,7 @@ build: check-setup
 	$(PY) -m spectie build
 	$(VENV)/bin/jupyter-book build book --config $(CURDIR)/_config.yml --toc $(CURDIR)/_toc.yml \
 		--path-output $(CURDIR) $(BOOK_FLAGS)
-	tar -czf $(HTML)/records.tar.gz results  # every record the book shows, downloadable beside it
+	tar -czf $(HTML)/records.tar.gz results examples/requests/diagnosed  # every record the book shows, downloadable beside it
 	@echo "book: $(CURDIR)/$(HTML)/index.html"
 
 run: check-setup
