@@ -9,7 +9,7 @@ Every sentence is computed from the diagnosis's records.
 from __future__ import annotations
 
 from spectie.completions import stopped_earlier, tokens_before_stop, tokens_written
-from spectie.pages import and_list
+from spectie.pages import and_list, device_of
 from spectie.record_types import Record
 
 LEDGER_ISSUE = "39273"  # GDN state under speculation: the fixes the ledger follows
@@ -261,8 +261,7 @@ def elsewhere_values(records: list[Record]) -> dict:
 
     groups = {}
     for r in records:
-        f = r.fingerprint
-        groups.setdefault(f"{r.environment}, {f.gpu or f.cpu} (host {f.host_id})", []).append(r)
+        groups.setdefault(device_of(r), []).append(r)
     if not groups:
         return {"elsewhere": "none committed for this request", "elsewhere_table": "—", "provenance_elsewhere": ""}
     said, table = [], []

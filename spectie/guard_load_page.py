@@ -12,18 +12,13 @@ from __future__ import annotations
 from collections import defaultdict
 
 from spectie.guard_load import KIND, SERVERS
-from spectie.pages import and_list, bullets
+from spectie.pages import and_list, bullets, device_of
 from spectie.record_types import Record
 from spectie.records import load_records, provenance_line, same_weights
 
 NOT_RUN = ("not run yet for this model: make run CHAPTER=guidance ENV=cpu PARAMS=environments/runs/cpu-guard-load.yaml "
            "runs it on the CPU build, and PARAMS=environments/runs/v0.32.0-h100-guard-load.yaml with ENV=v0.32.0-h100 "
            "on an H100 or H200")  # glued as text: no Markdown
-
-
-def device_of(record: Record) -> str:
-    f = record.fingerprint
-    return f"{record.environment}, {f.gpu or f.cpu} (host {f.host_id})"
 
 
 def short_device(record: Record) -> str:
@@ -157,25 +152,31 @@ def load_sentence(device: str, records: list[Record]) -> str:
             f"{sum(earlier_alone.values())} one at a time")
     by_cache = cache_effect(records)
     if by_cache is not None:
-        ran = [r for r in records if r.results.rows]
-        compared = and_list(sorted({r.parameters.server for r in ran if not r.parameters.prefix_caching}
-                                   & {r.parameters.server for r in ran if r.parameters.prefix_caching}))
+        compared = and_list(sorted(s for s, caches in answered_runs(records).items() if len(caches) == 2))
         text += (f"; with prefix caching on, {by_cache[0]} of {by_cache[1]} one-at-a-time answers ({compared}) "
                  "differed from the same server's with it off")
     missing = not_run(records)
     return f"{text}; {missing}" if missing else text
 
 
-def settings(records: list[Record]) -> str:
-    """The servers that answered in these records, with the prefix-caching settings each answered with, in words:
-    "plain with prefix caching on and off; mtp-k1 with prefix caching on"."""
+def answered_runs(records: list[Record]) -> dict[str, set[bool]]:
+    """Per server that answered in these records, the prefix-caching settings it answered with."""
     runs = defaultdict(set)
     for r in records:
         if r.results.rows:
             runs[r.parameters.server].add(r.parameters.prefix_caching)
+    return runs
+
+
+def settings(records: list[Record]) -> str:
+    """The servers that answered in these records, with the prefix-caching settings each answered with, in words:
+    "plain with prefix caching on and off; mtp-k1 with prefix caching on"."""
+    by_setting = defaultdict(list)
+    for server, caches in sorted(answered_runs(records).items()):
+        by_setting[frozenset(caches)].append(server)
     words = {frozenset({True, False}): "on and off", frozenset({True}): "on", frozenset({False}): "off"}
-    return "; ".join(f"{and_list(sorted(s for s in runs if frozenset(runs[s]) == cache))} with prefix caching {said}"
-                     for cache, said in words.items() if any(frozenset(v) == cache for v in runs.values()))
+    return "; ".join(f"{and_list(by_setting[caches])} with prefix caching {said}"
+                     for caches, said in words.items() if caches in by_setting)
 
 
 def not_run(records: list[Record]) -> str:
@@ -183,9 +184,7 @@ def not_run(records: list[Record]) -> str:
     this device holds, with the command that runs them there (a run resumes: what is recorded is not sent again);
     '' when all are recorded."""
     done = {(r.parameters.server, r.parameters.prefix_caching) for r in records}
-    missing = defaultdict(list)
-    for cache in (True, False):
-        missing[cache] = [server for server in SERVERS if (server, cache) not in done]
+    missing = {cache: [server for server in SERVERS if (server, cache) not in done] for cache in (True, False)}
     said = [f"{and_list(servers)} with prefix caching {'on' if cache else 'off'}" for cache, servers in missing.items()
             if servers]
     if not said:
@@ -286,7 +285,10 @@ def load_facts(records: list[Record]) -> dict:
     says nothing about the guard, and the guidance chapter keeps its error), and whether a GPU answered under it."""
     loads = [r for r in records if r.kind == KIND]
     devices = by_device(loads)
-    hardware = lambda rs: (rs[0].environment, rs[0].fingerprint.gpu or rs[0].fingerprint.cpu)  # noqa: E731
+
+    def hardware(rs: list[Record]) -> tuple:
+        return rs[0].environment, rs[0].fingerprint.gpu or rs[0].fingerprint.cpu
+
     measured = {hardware(rs) for rs in devices.values() if answered(rs)}
     return {"devices": {device: device_totals(rs) if answered(rs) else {"nothing": nothing_measured(rs)}
                         for device, rs in devices.items() if answered(rs) or hardware(rs) not in measured},

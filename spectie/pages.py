@@ -45,6 +45,12 @@ def glue_all(values: dict, shown: tuple[str, ...] = ()) -> None:
         glue(name, value, display=name in shown)
 
 
+def device_of(record) -> str:
+    """Where a measured record ran, as the pages name it: environment, GPU (else CPU) and host."""
+    f = record.fingerprint
+    return f"{record.environment}, {f.gpu or f.cpu} (host {f.host_id})"
+
+
 def bullets(lines: list[str]) -> str:
     """A Markdown list of sentences, each capitalised and ended."""
     return "\n".join(f"- {capitalised(line)}." for line in lines)
