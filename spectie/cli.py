@@ -416,6 +416,10 @@ EXTRAS = {"torch": ("classify", "torch and transformers"), "papermill": ("book",
           "matplotlib": ("book", "the book's stack"), "pandas": ("book", "the book's stack"),
           "myst_nb": ("book", "the book's stack"), "vllm": ("book", "vLLM (make setup, or make venv ENV=...)")}
 
+# Modules of the package's own dependencies (pyproject.toml) -> their distribution: missing, the install is incomplete.
+DEPENDENCIES = {"httpx": "httpx", "fastapi": "fastapi", "uvicorn": "uvicorn", "jsonschema": "jsonschema",
+                "yaml": "PyYAML", "transformers": "transformers", "tqdm": "tqdm"}
+
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)  # a usage error exits 2 (argparse)
@@ -431,6 +435,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except ModuleNotFoundError as exc:  # an extra that is not installed (the operator's wheel alone), else a bug
         missing = (exc.name or "").split(".")[0]
+        if missing in DEPENDENCIES:
+            print(f"error: spectie {args.command} needs {DEPENDENCIES[missing]}, one of its dependencies, which is not "
+                  f"installed for {sys.executable}: install spectie with its dependencies there", file=sys.stderr)
+            return BAD_INPUT
         if missing not in EXTRAS:
             return _internal_error(exc)
         extra, modules = EXTRAS[missing]

@@ -212,9 +212,7 @@ def measure_server(setup: dict, server: str, prefix_caching: bool, plan, bar=Non
     results = {"server_command": " ".join(command[1:]), "error": None, "rows": [], "batches": []}
     try:
         with served(command, urls["straight"], logs / f"{name}.log", environment=setup["environment"]):
-            # The guard runs in this interpreter, not the engine's: an operator installs it on its own, without
-            # vLLM, and vLLM's environment on a GPU host lacks the guard's libraries (jsonschema).
-            with served(guard_command(sys.executable, urls["straight"], model, ports["guarded"]), urls["guarded"],
+            with served(guard_command(python, urls["straight"], model, ports["guarded"]), urls["guarded"],
                         logs / f"{name}-guard.log", seconds=120,
                         environment={"PYTHONPATH": str(project_root())}):
                 checked = guard.open_guard(urls["straight"], model)

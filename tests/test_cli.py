@@ -98,3 +98,21 @@ def test_a_reader_that_stops_reading_is_not_an_internal_error(monkeypatch, capsy
     monkeypatch.undo()
     closed_pipe.close()
     assert "internal error" not in capsys.readouterr().err
+
+
+def test_a_missing_dependency_is_an_incomplete_install_not_a_bug(monkeypatch, capsys):
+    """The guard started with an interpreter that lacks jsonschema (vLLM's environment on a GPU host): one line
+    naming the library and the interpreter, exit 2, not "internal error ... a bug in spectie" (exit 3)."""
+    import sys
+
+    from spectie import cli
+
+    def lacks_jsonschema(args):
+        raise ModuleNotFoundError("No module named 'jsonschema'", name="jsonschema")
+
+    monkeypatch.setattr(cli, "_cmd_list", lacks_jsonschema)
+    monkeypatch.setattr(cli, "_parser", lambda: cli.build_parser())
+    assert cli.main(["list"]) == cli.BAD_INPUT
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "internal error" not in err
+    assert "needs jsonschema" in err and sys.executable in err

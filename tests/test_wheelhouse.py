@@ -19,7 +19,7 @@ def test_a_locked_environment_downloads_exactly_its_lock_for_the_gpu_hosts_pytho
     assert command[command.index("--python-version") + 1] == "3.12" and "--abi" in command and "cp312" in command
     assert "--platform=manylinux_2_39_x86_64" in command and "--platform=manylinux_2_40_x86_64" not in command
     pins, with_dependencies = wheelhouse.requirements(env)
-    assert not with_dependencies and len(pins) == 63 and {"vllm==0.32.0", "torch==2.13.0", "nvidia-nccl-cu13==2.29.7", "uvicorn==0.55.0", "model-hosting-container-standards==0.1.16"} <= set(pins)
+    assert not with_dependencies and len(pins) == 67 and {"vllm==0.32.0", "torch==2.13.0", "nvidia-nccl-cu13==2.29.7", "uvicorn==0.55.0", "model-hosting-container-standards==0.1.16", "jsonschema==4.26.0"} <= set(pins)
     assert wheelhouse.requirements(get_environment("v0.31.0-h100"))[0].count("transformers==5.17.0") == 1
 
 
