@@ -365,8 +365,10 @@ def probe_sentence(records: list[Record]) -> str:
             continue
         one = servers[died[0]]["requests"][1]
         error = servers[died[0]]["log_error"]
-        said.append(f"{where} answered two tokens, but a one-token prompt ended the server ({', '.join(died)} of "
-                    f"{', '.join(servers)}): HTTP {one['status'] or 'no answer'}, then no answer to any request"
-                    + (f"; its log: {error}" if error else ""))
+        which = (f"every server: {', '.join(died)}" if len(died) == len(servers)
+                 else f"{', '.join(died)} of {', '.join(servers)}")
+        said.append(f"{where} answered two tokens, but a one-token prompt ended the server ({which}): HTTP "
+                    f"{one['status'] or 'no answer'}, then no answer to any request"
+                    + (f"; its log: {error.rstrip('.')}" if error else ""))
     return ("A one-token prompt is a hazard of the server, not of the guard, which never sends one of its own (its "
             "probe is two tokens): " + "; ".join(said) + f" ({COMMAND} re-runs it)")  # glued as text: no Markdown
