@@ -31,6 +31,9 @@ class Chapter:
     # Which environment files it reads: "all" (it shows every environment), or "named": those its input records
     # name and its run's own (each incident environment is named by a reported record: tests/test_chapters.py).
     environments: str = "named"
+    # A results folder of its own (its notebook's `results_dir` default), whose records of this host and the run's
+    # environment are all its outputs, whatever their chapter: the diagnosis appendix's.
+    results_dir: str | None = None
 
 
 EXECUTED_DIR = "book/generated"
@@ -64,7 +67,8 @@ CHAPTERS = {
         Chapter("diagnose", "notebooks/diagnose.ipynb",
                 ("artifacts/organism/*.json", "artifacts/organism/*.safetensors", "examples/requests/*.json",
                  "examples/requests/diagnosed/**/*.json", "sources/fix_ledger.json"),
-                "Appendix: `make diagnose` on one request (the incident's seed-1 listing), run here through vLLM"),
+                "Appendix: `make diagnose` on one request (the incident's seed-1 listing), run here through vLLM",
+                results_dir="examples/requests/diagnosed/incident-seed-1/results"),
         Chapter("environments", "notebooks/environments.ipynb", ("results/**/*.json",),
                 "Environments appendix, generated from environments/ and the records", environments="all"),
         Chapter("summary", "notebooks/summary.ipynb", ("results/**/*.json",),
@@ -149,6 +153,18 @@ def own_records_dir(chapter: Chapter, environment: str = BUILD_ENVIRONMENT) -> s
     from spectie.fingerprint import host_id
 
     return f"results/measured/{environment}-{host_id()}/{chapter.name}/"
+
+
+def own_records(chapter: Chapter, environment: str = BUILD_ENVIRONMENT) -> set[Path]:
+    """The record files a run of this chapter in `environment` writes on this host (`own_records_dir`, and all of
+    this host's in the chapter's own results folder): its outputs, not its inputs."""
+    from spectie.fingerprint import host_id
+
+    root = project_root()
+    own = set(root.glob(own_records_dir(chapter, environment) + "*.json"))
+    if chapter.results_dir:
+        own |= set((root / chapter.results_dir).glob(f"measured/{environment}-{host_id()}/**/*.json"))
+    return own
 
 
 @functools.lru_cache(maxsize=None)
@@ -240,7 +256,7 @@ def input_digests(chapter: Chapter, parameters: dict) -> dict[str, str]:
     """
     root = project_root()
     environment = parameters.get("environment") or BUILD_ENVIRONMENT
-    own = {p for p in root.glob(own_records_dir(chapter, environment) + "*.json")}
+    own = own_records(chapter, environment)
     patterns = tuple(p.replace("{environment}", environment) for p in PACKAGE_DATA + chapter.inputs)
     files = {p: _sha256(p) for p in _files(patterns, root) if p not in own}
     if chapter.environments == "all":

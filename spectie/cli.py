@@ -33,8 +33,6 @@ def _check_inputs() -> None:
 
 
 def _cmd_build(args) -> int:
-    import os
-
     from spectie.chapters import build_stale
     from spectie.fingerprint import ENTRY_VARIABLE
 
@@ -48,8 +46,6 @@ def _cmd_build(args) -> int:
 def _cmd_run(args) -> int:
     """Check the host against the environment, then execute the chapter. SPECTIE_STRICT_HOST=1 makes the
     host check strict: a driver other than the one the environment names is refused, not just recorded."""
-    import os
-
     from spectie.chapters import execute, get_chapter, load_parameters, notebook_parameters
     from spectie import host
     from spectie.environments import get_environment
@@ -90,8 +86,6 @@ def _cmd_diagnose(args) -> int:
 def _cmd_venv(args) -> int:
     """.venvs/<env> with the environment's vLLM; a commit-pinned environment takes the commit's full hash
     from VLLM_COMMIT."""
-    import os
-
     from spectie.engines.venvs import create_venv
 
     create_venv(args.env, wheels=args.wheels, commit=os.environ.get("VLLM_COMMIT"))
@@ -415,10 +409,8 @@ def _parser() -> argparse.ArgumentParser:
 EXTRAS = {"torch": ("classify", "torch and transformers"), "papermill": ("book", "the book's stack"),
           "matplotlib": ("book", "the book's stack"), "pandas": ("book", "the book's stack"),
           "myst_nb": ("book", "the book's stack"), "vllm": ("book", "vLLM (make setup, or make venv ENV=...)")}
-
 # Modules of the package's own dependencies (pyproject.toml) -> their distribution: missing, the install is incomplete.
-DEPENDENCIES = {"httpx": "httpx", "fastapi": "fastapi", "uvicorn": "uvicorn", "jsonschema": "jsonschema",
-                "yaml": "PyYAML", "transformers": "transformers", "tqdm": "tqdm"}
+DEPENDENCIES = {m: m for m in ("httpx", "fastapi", "uvicorn", "jsonschema", "transformers", "tqdm")} | {"yaml": "PyYAML"}
 
 
 def main(argv: list[str] | None = None) -> int:

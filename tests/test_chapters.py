@@ -142,6 +142,25 @@ def test_a_chapter_is_not_stale_after_writing_its_own_records(project_copy):
     assert content_hash(chapter, {}) != after
 
 
+def test_the_diagnosis_is_not_stale_after_writing_its_records_into_its_own_results_folder(project_copy):
+    """The diagnosis appendix writes its engines' records (chapter folder `reproduce`) under its own results folder:
+    on a host new to the records a second build executed it again. Another host's diagnosis is still an input."""
+    from spectie.chapters import notebook_parameters
+    from spectie.fingerprint import host_id
+
+    chapter = get_chapter("diagnose")
+    assert chapter.results_dir == notebook_parameters(chapter)["results_dir"]
+    before = content_hash(chapter, {})
+    own = project_copy / chapter.results_dir / "measured" / f"cpu-{host_id()}" / "reproduce"
+    own.mkdir(parents=True, exist_ok=True)
+    (own / "reproduce-cpu-diagnose-x.json").write_text("{}")
+    assert content_hash(chapter, {}) == before
+    other = project_copy / chapter.results_dir / "measured" / "cpu-0123456789ab" / "reproduce"
+    other.mkdir(parents=True, exist_ok=True)
+    (other / "reproduce-cpu-diagnose-y.json").write_text("{}")
+    assert content_hash(chapter, {}) != before
+
+
 def _hashes(parameters=None) -> dict[str, str]:
     return {name: content_hash(chapter, parameters or {}) for name, chapter in CHAPTERS.items()}
 
