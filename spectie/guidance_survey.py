@@ -365,8 +365,9 @@ def probe_sentence(records: list[Record]) -> str:
             continue
         one = servers[died[0]]["requests"][1]
         error = servers[died[0]]["log_error"]
-        which = (f"every server: {', '.join(died)}" if len(died) == len(servers)
-                 else f"{', '.join(died)} of {', '.join(servers)}")
+        answered = [name for name in servers if name not in died]
+        which = (f"every server: {', '.join(died)}" if not answered
+                 else f"{', '.join(died)}; {', '.join(answered)} answered it")
         said.append(f"{where} answered two tokens, but a one-token prompt ended the server ({which}): HTTP "
                     f"{one['status'] or 'no answer'}, then no answer to any request"
                     + (f"; its log: {error.rstrip('.')}" if error else ""))

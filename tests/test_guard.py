@@ -235,5 +235,9 @@ def test_the_server_probe_finding_is_said_per_host_from_its_records():
     assert text.index("AMD EPYC 9R14 (host a1)") < text.index("Intel(R) Xeon(R) Processor (host b1)")
     assert "(host a1), vLLM 0.32.0 (cpu) serving organism answered prompts of one and two tokens (plain, mtp-k1)" in text
     assert "a one-token prompt ended the server (every server: plain, mtp-k1): HTTP 500" in text
+    mixed = probe("c1", "AMD EPYC", 500)
+    mixed.results.servers["mtp-k1"] = amd.results.servers["mtp-k1"]  # plain died, MTP K=1 answered (an AMD EPYC)
+    assert "a one-token prompt ended the server (plain; mtp-k1 answered it): HTTP 500" in \
+        guidance_survey.probe_sentence([mixed])
     assert "expect x to be transposed" in text
     assert "not been measured yet: python -m spectie.serve_probe" in guidance_survey.probe_sentence([])
