@@ -45,7 +45,8 @@ def flip_curves(records: list[Record]) -> list[dict]:
             continue
         pairs = record.results.pairs
         flipped = [margin for margin, flip in pairs if flip]
-        rows.append({"record": record.id, "device": record.device,
+        device = record.device + ("" if record.fingerprint.gpu else f", host {record.fingerprint.host_id}")
+        rows.append({"record": record.id, "device": device,  # a CPU's kernels are its host's: said per host
                      "model": record.parameters.model, "decisions": len(pairs), "flips": len(flipped),
                      "largest_flipped": max(flipped, default=None), "reference": record.results.reference})
     return rows

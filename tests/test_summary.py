@@ -111,11 +111,11 @@ def test_the_not_measured_list_names_the_incidents_releases_no_gpu_ran_here(repo
 
 
 def test_flip_curves_count_flips_and_the_largest_flipped_margin():
-    record = {"kind": "flip-curve", "provenance": "measured", "id": "f", "fingerprint": {"gpu": None},
+    record = {"kind": "flip-curve", "provenance": "measured", "id": "f", "fingerprint": {"gpu": None, "host_id": "c54ddc2b8dfa"},
               "parameters": {"model": "organism"},
               "results": {"pairs": [[0.01, True], [0.04, True], [2.0, False]], "reference": "fp64"}}
     [row] = summary.flip_curves(typed_all([record]))
-    assert (row["device"], row["decisions"], row["flips"], row["largest_flipped"]) == ("CPU", 3, 2, 0.04)
+    assert (row["device"], row["decisions"], row["flips"], row["largest_flipped"]) == ("CPU, host c54ddc2b8dfa", 3, 2, 0.04)
     assert "at 2 of 3 decisions, every one with a reference margin of at most 0.040 logits" in summary.flip_sentence(row)
 
 
