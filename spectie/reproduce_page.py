@@ -254,7 +254,8 @@ def run_values(plan, records: list[Record], all_records: list[Record]) -> dict:
     ran = [r for r in records if r.results.status == "ok"]
     failed = [r for r in records if r.results.status != "ok"]
     speculative = [r for r in ran if r.parameters.method != "none"]
-    differ = [r for r in speculative if not all(x["same_as_baseline"] for x in r.results.repeats)]
+    # Parted: a repeat compared with the baseline and not the same (where no baseline ran, none is compared).
+    differ = [r for r in speculative if any(x["same_as_baseline"] is False for x in r.results.repeats)]
     return {
         "vllm_version": plan.probe["vllm_version"], "vllm_platform": plan.probe["platform"], "model": plan.model_label,
         "prompt_len": len(plan.prompt.token_ids), "n_configurations": len(records), "n_ran": len(ran),

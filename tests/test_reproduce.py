@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import HAS_VLLM, ROOT, this_hosts_records, typed
 from spectie import completions
@@ -347,6 +348,10 @@ def test_bad_model_environment_and_matrix_names():
         read_matrix("nope")
     with pytest.raises(UsageError, match="has no configuration"):
         read_matrix("cpu").select(["mtp-k99"])
+
+
+def test_a_selection_keeps_the_baseline():
+    assert [c.id for c in read_matrix("cpu").select(["mtp-k3"]).configs] == ["plain", "mtp-k3"]
 
 
 def test_engines_start_with_the_baseline_then_the_longest_configuration():
@@ -751,15 +756,21 @@ def test_make_run_on_a_random_weight_checkpoint_loads_it_with_its_mtp_head(tmp_p
     qwen_shapes.write_checkpoint("tiny-shape", str(folder), seed=3, log=lambda *_: None)
     root = copy_project(tmp_path / "project", probes=True)
     (root / "artifacts").symlink_to(ROOT / "artifacts")
+    # One engine: the CPU matrix's engine arguments with MTP K=3 alone and no baseline (plain greedy's engine
+    # would load the same checkpoint again; a selection's baseline is test_a_selection_keeps_the_baseline's).
+    matrix = yaml.safe_load((ROOT / "spectie/engines/matrices/cpu.yaml").read_text())
+    del matrix["baseline"]
+    matrix["configurations"] = [{"id": "mtp-k3", "method": "mtp", "k": 3}]
+    (tmp_path / "mtp-only.yaml").write_text(yaml.safe_dump(matrix))
     params = tmp_path / "small.yaml"
-    params.write_text("configurations: [mtp-k3]\nrepeats: 1\nmax_tokens: 16\nignore_eos: true\nparallel: 2\n"
+    params.write_text(f"matrix: {tmp_path / 'mtp-only.yaml'}\nrepeats: 1\nmax_tokens: 16\nignore_eos: true\n"
                       "prompt_tokens: 256\n")
     run = subprocess.run(["make", "run", "CHAPTER=reproduce", f"PARAMS={params}", "ENV=cpu", f"MODEL={folder}",
                           f"VENV={Path(sys.prefix)}"], cwd=root, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     made = {read_record(p).parameters.configuration: read_record(p)
             for p in (root / "results" / "measured").glob("cpu-*/reproduce/*tiny-shape*.json")}
-    assert sorted(made) == ["mtp-k3", "plain"]  # the baseline runs with any selection
+    assert sorted(made) == ["mtp-k3"]
     for record in made.values():
         assert record.results.status == "ok" and record.results.runs_stopped == 0
         assert [x["output_tokens"] for x in record.results.repeats] == [16]
