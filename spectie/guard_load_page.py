@@ -4,7 +4,9 @@ outputs differ from the same server's one-at-a-time output, near-tie stops that 
 throughput and latency; and, in words, whether load or prefix caching moved a stop.
 
 Every comparison is made within one device's records (one environment on one host): the reference of a prompt is
-plain greedy's output one at a time (level 1, straight) with prefix caching off where recorded, else on.
+plain greedy's output one at a time (level 1, straight) with prefix caching off where recorded, else on; a device
+without plain greedy compares no stop with it. One comparison crosses hosts, and says so: prefix caching on against
+off for a server that no one host measured both ways, on two hosts of the same environment and GPU (or CPU) model.
 """
 
 from __future__ import annotations
@@ -83,7 +85,8 @@ def cells(records: list[Record]) -> list[dict]:
             table.append({
                 "server": server, "prefix caching": "on" if cache else "off", "level": level, "workload": workload,
                 "route": route, "requests": len(rows), "errors": len(rows) - len(done),
-                "earlier than plain": sum(earlier(row, reference.get(row["prompt"])) for row in done),
+                "earlier than plain": sum(earlier(row, reference.get(row["prompt"])) for row in done) if reference
+                else None,  # no plain greedy answer on this device: nothing to compare a stop with
                 "differ from one at a time": sum(o is not None and row["digest"] != o[0] for row, o in zip(done, own)),
                 "near-tie stops reaching the client": sum(bool(row.get("near_tie_stop")) for row in done),
                 "resumed": sum((row.get("resumed") or 0) > 0 for row in done),
@@ -141,15 +144,17 @@ def load_sentence(device: str, records: list[Record]) -> str:
     moved = sum(c["differ from one at a time"] for c in loaded)
     earlier_alone = {(c["server"], c["prefix caching"], c["route"]): c["earlier than plain"]
                      for c in table if c["level"] == 1 and c["workload"] == "distinct"}
-    earlier_loaded = sum(c["earlier than plain"] for c in loaded)
+    earlier_loaded = sum(c["earlier than plain"] or 0 for c in loaded)
     levels = sorted({c["level"] for c in loaded})
     rows = [row for r in records for row in r.results.rows or [] if not row["error"]]
     stops = sum(row.get("finish_reason") == "stop" for row in rows)
     text = (f"on {device} ({settings(records)}; levels {', '.join(map(str, [1, *levels]))}): "
             f"{stops} of {len(rows)} answers ended on an end-of-text token; "
             f"{moved} of {sum(c['requests'] - c['errors'] for c in loaded)} answers under load differed from the same "
-            f"server's answer one at a time; {earlier_loaded} stopped earlier than plain greedy under load, against "
-            f"{sum(earlier_alone.values())} one at a time")
+            f"server's answer one at a time; " + (
+                f"{earlier_loaded} stopped earlier than plain greedy under load, against "
+                f"{sum(earlier_alone.values())} one at a time" if plain_reference(records) else
+                "no plain greedy answer was recorded there, so no stop is compared with plain greedy's"))
     by_cache = cache_effect(records)
     if by_cache is not None:
         compared = and_list(sorted(s for s, caches in answered_runs(records).items() if len(caches) == 2))
@@ -190,9 +195,42 @@ def not_run(records: list[Record]) -> str:
     if not said:
         return ""
     environment = records[0].environment
-    params = "cpu-guard-load.yaml" if environment == "cpu" else "v0.32.0-h100-guard-load.yaml"
+    params = run_file(environment)
     return (f"not run yet there: {'; '.join(said)} (make run CHAPTER=guidance ENV={environment} "
             f"PARAMS=environments/runs/{params})")
+
+
+def run_file(environment: str) -> str:
+    """The run file of the load measurement for an environment: its own (environments/runs/<env>-guard-load.yaml)
+    where one exists, else the H100's (vLLM 0.32.0), which runs on any GPU of that release."""
+    from spectie.paths import project_root
+
+    own = f"{environment}-guard-load.yaml"
+    return own if (project_root() / "environments" / "runs" / own).is_file() else "v0.32.0-h100-guard-load.yaml"
+
+
+def cache_across_hosts(records: list[Record]) -> list[str]:
+    """Prefix caching on against off where no one host measured both for a server but two hosts of the same
+    environment and GPU (or CPU) model did: per server, how many one-at-a-time answers differ, naming both hosts (a
+    difference may be the host's as well as the setting's)."""
+    groups = defaultdict(lambda: defaultdict(list))  # (environment, hardware) -> host -> records
+    for r in records:
+        if r.results.rows:
+            groups[(r.environment, r.fingerprint.gpu or r.fingerprint.cpu)][r.fingerprint.host_id].append(r)
+    said = []
+    for (environment, hardware), hosts in groups.items():
+        for server in SERVERS:
+            with_cache = {cache: sorted(h for h, rs in hosts.items() if any(
+                r.parameters.server == server and r.parameters.prefix_caching is cache for r in rs))
+                for cache in (True, False)}
+            if not with_cache[True] or not with_cache[False] or set(with_cache[True]) & set(with_cache[False]):
+                continue
+            on, off = with_cache[True][0], with_cache[False][0]
+            effect = cache_effect([r for r in hosts[on] + hosts[off] if r.parameters.server == server])
+            if effect:
+                said.append(f"on {environment}, {hardware}, across two hosts: {server} with prefix caching on (host "
+                            f"{on}) and off (host {off}): {effect[0]} of {effect[1]} one-at-a-time answers differed")
+    return said
 
 
 def cache_effect(records: list[Record]) -> tuple[int, int] | None:
@@ -255,7 +293,8 @@ def load_values(page) -> dict:
     devices = by_device(records)
     tables = {columns: pd.concat([device_table(short_device(rs[0]), rs, columns) for rs in devices.values()])
               for columns in (OUTCOMES, SPEED)}
-    sentences = [load_sentence(d, rs).replace("_", r"\_").replace("*", r"\*") for d, rs in devices.items()]  # text
+    sentences = [load_sentence(d, rs) for d, rs in devices.items()] + cache_across_hosts(records)
+    sentences = [s.replace("_", r"\_").replace("*", r"\*") for s in sentences]  # text, not Markdown
     return {"load_text": Markdown(bullets(sentences)),
             "load_table": tables[OUTCOMES].style, "load_speed_table": tables[SPEED].style,
             "load_failed": "; ".join(f for rs in devices.values() for f in failed(rs)) or "none",

@@ -117,3 +117,33 @@ def test_a_device_short_of_the_full_plan_says_what_is_not_run_yet_and_how():
                                             "ENV=cpu PARAMS=environments/runs/cpu-guard-load.yaml)")
     full = [load_record(s, c, [], gpu) for s in ("plain", "mtp-k1", "mtp-k8") for c in (True, False)]
     assert guard_load_page.not_run(full) == ""
+
+
+def test_a_host_without_plain_greedy_compares_no_stop_with_it_and_two_hosts_compare_prefix_caching():
+    """On a host that ran MTP alone there is no plain greedy answer: no stop is counted as earlier than it (the
+    table shows none, not 0). Prefix caching on (one host) against off (another host of the same GPU model) is compared
+    per server, naming both hosts; where one host measured both, its own sentence says it and nothing crosses hosts."""
+    gpu = {"host_id": "a", "gpu": "NVIDIA H100 80GB HBM3"}
+    on = load_record("mtp-k1", True, [(1, "straight", "seed-0", "stop", 10, "B"),
+                                      (1, "straight", "seed-1", "length", 96, "C")], gpu)
+    off = load_record("mtp-k1", False, [(1, "straight", "seed-0", "length", 96, "A"),
+                                        (8, "straight", "seed-0", "stop", 10, "B"),
+                                        (1, "straight", "seed-1", "length", 96, "C")], {**gpu, "host_id": "b"})
+    assert {c["earlier than plain"] for c in guard_load_page.cells([off])} == {None}
+    text = guard_load_page.load_sentence("b", [off])
+    assert "no plain greedy answer was recorded there, so no stop is compared with plain greedy's" in text
+    assert "stopped earlier than plain" not in text and "1 of 1 answers under load differed" in text
+    assert guard_load_page.cache_across_hosts([on, off]) == [
+        "on cpu, NVIDIA H100 80GB HBM3, across two hosts: mtp-k1 with prefix caching on (host a) and off (host b): 1 of "
+        "2 one-at-a-time answers differed"]
+    both = load_record("mtp-k1", False, [(1, "straight", "seed-0", "length", 96, "A")], gpu)
+    assert guard_load_page.cache_across_hosts([on, off, both]) == []
+    other_gpu = load_record("mtp-k1", False, [(1, "straight", "seed-0", "length", 96, "A")],
+                            {"host_id": "c", "gpu": "H200"})
+    assert guard_load_page.cache_across_hosts([on, other_gpu]) == []
+
+
+def test_the_command_that_runs_what_is_missing_names_the_environments_own_run_file():
+    assert guard_load_page.run_file("cpu") == "cpu-guard-load.yaml"
+    assert guard_load_page.run_file("v0.32.0-h100") == "v0.32.0-h100-guard-load.yaml"
+    assert guard_load_page.run_file("v0.32.0-h200") == "v0.32.0-h100-guard-load.yaml"  # none of its own: the release's
