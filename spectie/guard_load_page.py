@@ -134,9 +134,9 @@ def nothing_measured(records: list[Record]) -> str:
             "answered")
 
 
-def load_sentence(device: str, records: list[Record]) -> str:
+def load_sentence(device: str, records: list[Record], others: list[Record] = ()) -> str:
     """Whether load (levels above 1) or prefix caching moved a stop or changed an output, on one device, in words
-    computed from its cells."""
+    computed from its cells (`others`: every load record, for what another host of the same hardware ran)."""
     if not answered(records):
         return f"on {device}: {nothing_measured(records)}"
     table = cells(records)
@@ -160,7 +160,7 @@ def load_sentence(device: str, records: list[Record]) -> str:
         compared = and_list(sorted(s for s, caches in answered_runs(records).items() if len(caches) == 2))
         text += (f"; with prefix caching on, {by_cache[0]} of {by_cache[1]} one-at-a-time answers ({compared}) "
                  "differed from the same server's with it off")
-    missing = not_run(records)
+    missing = not_run(records, others)
     return f"{text}; {missing}" if missing else text
 
 
@@ -184,7 +184,27 @@ def settings(records: list[Record]) -> str:
                      for caches, said in words.items() if caches in by_setting)
 
 
-def not_run(records: list[Record]) -> str:
+def _hardware(record: Record) -> tuple:
+    return record.environment, record.fingerprint.gpu or record.fingerprint.cpu
+
+
+def recorded_elsewhere(records: list[Record], others: list[Record]) -> dict[str, list[str]]:
+    """Per other host of the same environment and GPU (or CPU) model, the settings ("mtp-k1 with prefix caching on")
+    its servers answered with that these records lack."""
+    done = {(r.parameters.server, r.parameters.prefix_caching) for r in records}
+    here = records[0].fingerprint.host_id
+    found = defaultdict(set)
+    for r in others:
+        setting = (r.parameters.server, r.parameters.prefix_caching)
+        same_hardware = r.fingerprint.host_id != here and _hardware(r) == _hardware(records[0])
+        if r.results.rows and setting not in done and same_hardware:
+            found[r.fingerprint.host_id].add(setting)
+    return {host: [f"{server} with prefix caching {'on' if cache else 'off'}" for server in SERVERS
+                   for cache in (True, False) if (server, cache) in held]
+            for host, held in sorted(found.items())}
+
+
+def not_run(records: list[Record], others: list[Record] = ()) -> str:
     """The servers and prefix-caching settings of the full plan (every server, caching on and off) that no record of
     this device holds, with the command that runs them there (a run resumes: what is recorded is not sent again);
     '' when all are recorded."""
@@ -196,8 +216,12 @@ def not_run(records: list[Record]) -> str:
         return ""
     environment = records[0].environment
     params = run_file(environment)
-    return (f"not run yet there: {'; '.join(said)} (make run CHAPTER=guidance ENV={environment} "
+    text = (f"not run yet there: {'; '.join(said)} (make run CHAPTER=guidance ENV={environment} "
             f"PARAMS=environments/runs/{params})")
+    elsewhere = recorded_elsewhere(records, list(others))
+    model = "GPU" if records[0].fingerprint.gpu else "CPU"
+    return text + "".join(f"; host {host}, with the same {model} model, recorded {and_list(what)}"
+                          for host, what in elsewhere.items())
 
 
 def run_file(environment: str) -> str:
@@ -216,7 +240,7 @@ def cache_across_hosts(records: list[Record]) -> list[str]:
     groups = defaultdict(lambda: defaultdict(list))  # (environment, hardware) -> host -> records
     for r in records:
         if r.results.rows:
-            groups[(r.environment, r.fingerprint.gpu or r.fingerprint.cpu)][r.fingerprint.host_id].append(r)
+            groups[_hardware(r)][r.fingerprint.host_id].append(r)
     said = []
     for (environment, hardware), hosts in groups.items():
         for server in SERVERS:
@@ -293,7 +317,7 @@ def load_values(page) -> dict:
     devices = by_device(records)
     tables = {columns: pd.concat([device_table(short_device(rs[0]), rs, columns) for rs in devices.values()])
               for columns in (OUTCOMES, SPEED)}
-    sentences = [load_sentence(d, rs) for d, rs in devices.items()] + cache_across_hosts(records)
+    sentences = [load_sentence(d, rs, records) for d, rs in devices.items()] + cache_across_hosts(records)
     sentences = [s.replace("_", r"\_").replace("*", r"\*") for s in sentences]  # text, not Markdown
     return {"load_text": Markdown(bullets(sentences)),
             "load_table": tables[OUTCOMES].style, "load_speed_table": tables[SPEED].style,

@@ -141,6 +141,11 @@ def test_a_host_without_plain_greedy_compares_no_stop_with_it_and_two_hosts_comp
     other_gpu = load_record("mtp-k1", False, [(1, "straight", "seed-0", "length", 96, "A")],
                             {"host_id": "c", "gpu": "H200"})
     assert guard_load_page.cache_across_hosts([on, other_gpu]) == []
+    # Each host's sentence names what the other host of its GPU recorded (not what a host of another GPU did).
+    assert guard_load_page.load_sentence("b", [off], [on, off, other_gpu]).endswith(
+        "(make run CHAPTER=guidance ENV=cpu PARAMS=environments/runs/cpu-guard-load.yaml); host a, with the same GPU "
+        "model, recorded mtp-k1 with prefix caching on")
+    assert "with the same GPU model" not in guard_load_page.not_run([on], [on, other_gpu])
 
 
 def test_the_command_that_runs_what_is_missing_names_the_environments_own_run_file():
