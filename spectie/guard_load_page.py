@@ -144,6 +144,7 @@ def load_sentence(device: str, records: list[Record], others: list[Record] = ())
     moved = sum(c["differ from one at a time"] for c in loaded)
     earlier_alone = {(c["server"], c["prefix caching"], c["route"]): c["earlier than plain"]
                      for c in table if c["level"] == 1 and c["workload"] == "distinct"}
+    compared = any(c["earlier than plain"] is not None for c in table)  # None: no plain greedy answer here
     earlier_loaded = sum(c["earlier than plain"] or 0 for c in loaded)
     levels = sorted({c["level"] for c in loaded})
     rows = [row for r in records for row in r.results.rows or [] if not row["error"]]
@@ -153,7 +154,7 @@ def load_sentence(device: str, records: list[Record], others: list[Record] = ())
             f"{moved} of {sum(c['requests'] - c['errors'] for c in loaded)} answers under load differed from the same "
             f"server's answer one at a time; " + (
                 f"{earlier_loaded} stopped earlier than plain greedy under load, against "
-                f"{sum(earlier_alone.values())} one at a time" if plain_reference(records) else
+                f"{sum(earlier_alone.values())} one at a time" if compared else
                 "no plain greedy answer was recorded there, so no stop is compared with plain greedy's"))
     by_cache = cache_effect(records)
     if by_cache is not None:
@@ -218,7 +219,7 @@ def not_run(records: list[Record], others: list[Record] = ()) -> str:
     params = run_file(environment)
     text = (f"not run yet there: {'; '.join(said)} (make run CHAPTER=guidance ENV={environment} "
             f"PARAMS=environments/runs/{params})")
-    elsewhere = recorded_elsewhere(records, list(others))
+    elsewhere = recorded_elsewhere(records, others)
     model = "GPU" if records[0].fingerprint.gpu else "CPU"
     return text + "".join(f"; host {host}, with the same {model} model, recorded {and_list(what)}"
                           for host, what in elsewhere.items())
@@ -349,12 +350,9 @@ def load_facts(records: list[Record]) -> dict:
     loads = [r for r in records if r.kind == KIND]
     devices = by_device(loads)
 
-    def hardware(rs: list[Record]) -> tuple:
-        return rs[0].environment, rs[0].fingerprint.gpu or rs[0].fingerprint.cpu
-
-    measured = {hardware(rs) for rs in devices.values() if answered(rs)}
+    measured = {_hardware(rs[0]) for rs in devices.values() if answered(rs)}
     return {"devices": {device: device_totals(rs) if answered(rs) else {"nothing": nothing_measured(rs)}
-                        for device, rs in devices.items() if answered(rs) or hardware(rs) not in measured},
+                        for device, rs in devices.items() if answered(rs) or _hardware(rs[0]) not in measured},
             "gpu": any(is_gpu(rs[0]) and answered(rs) for rs in devices.values())}
 
 
