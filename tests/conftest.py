@@ -29,6 +29,44 @@ SLOW_FILES = ["test_reproduce.py", "test_served.py", "test_book.py", "test_diver
 
 
 
+def stand_in_host() -> str | None:
+    """The host of the cpu environment whose committed measurements the tests' book build renders where the records
+    know no machine of this one's hardware (SPECTIE_STAND_IN_HOST, `fingerprint.key_hardware`): measuring this
+    machine from nothing takes `make build` about ten minutes on two cores, more than the whole suite may take. A
+    host of this CPU's maker where there is one. None where this machine's hardware has records. Under
+    SPECTIE_OWN_RECORDS_ONLY=1 (`NEW_HOST=1 scripts/time_pipeline.sh`: this machine as hardware new to the records)
+    a host of other hardware stands in, as it would on new hardware. The tests that need this hardware's own near
+    ties skip where the survey they read was made on other hardware (`measured_on_this_hardware`)."""
+    from spectie.fingerprint import STAND_IN, device, hardware
+    from spectie.records import OWN_RECORDS_ONLY, recorded_hardware
+
+    if os.environ.get(STAND_IN):
+        return os.environ[STAND_IN]
+    as_new = os.environ.get(OWN_RECORDS_ONLY) == "1"
+    here = device(hardware())
+    hosts = {host: device(found) for host, found in recorded_hardware(ROOT / "results").items()
+             if (ROOT / "results" / "measured" / f"cpu-{host}").is_dir()}
+    if not as_new and here in hosts.values():
+        return None
+    others = sorted((host for host, found in hosts.items() if found != here),
+                    key=lambda host: not hosts[host]["cpu"].startswith(here["cpu"].split()[0]))
+    if others:
+        os.environ.pop(OWN_RECORDS_ONLY, None)  # the stand-in's records are reused: nothing of this host is measured
+    return others[0] if others else None
+
+
+if STAND_IN_HOST := stand_in_host():
+    os.environ["SPECTIE_STAND_IN_HOST"] = STAND_IN_HOST
+
+
+def measured_on_this_hardware(record) -> bool:
+    """Whether `record` was made on this machine's CPU (its model and ISA flags), not on a stand-in's."""
+    from spectie.fingerprint import hardware
+
+    here = hardware()
+    return (record.fingerprint.cpu, record.fingerprint.cpu_flags) == (here["cpu"], here["cpu_flags"])
+
+
 def own_records(root: Path, pattern: str) -> list[Path]:
     """The record files matching `pattern` inside a host's folder of the cpu environment ("margins/*.json") that
     stand for this machine in `root`'s results: this host's, else those of a host of identical hardware, whose

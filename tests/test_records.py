@@ -392,6 +392,7 @@ def test_a_new_machine_of_identical_hardware_reuses_its_twins_measurements(tmp_p
 
     here = {"cpu": "Intel(R) Xeon(R) Processor", "cpu_flags": ["avx2", "amx_bf16"], "gpus": []}
     monkeypatch.delenv(OWN_RECORDS_ONLY, raising=False)  # set by scripts/time_pipeline.sh NEW_HOST=1: no twin reused
+    monkeypatch.delenv(fingerprint.STAND_IN, raising=False)  # set by the tests on hardware the records don't know
     monkeypatch.setattr(fingerprint, "_this_hardware", lambda: here)
     monkeypatch.setattr(fingerprint, "host_id", lambda: "aaaaaaaaaaaa")
 
@@ -415,3 +416,40 @@ def test_a_new_machine_of_identical_hardware_reuses_its_twins_measurements(tmp_p
     assert kept_on_this_device(own, lambda r: r.fingerprint.cpu.startswith("AMD")) is None  # other hardware
     twin.unlink()
     assert standing_hosts("cpu", tmp_path) == ["aaaaaaaaaaaa"] and recorded_measurement(own, "key-here") is None
+
+
+def test_a_stand_in_host_keys_and_reuses_measurements_as_its_hardware_and_names_nothing_else(
+        tmp_path, measured_record, monkeypatch):
+    """SPECTIE_STAND_IN_HOST (the tests' book build on hardware no record knows): measurements are keyed and reused
+    as on that host's hardware, read from its records, while this machine keeps its own id. A host no record names
+    is refused before anything runs."""
+    from spectie import fingerprint
+    from spectie.errors import UsageError
+    from spectie.records import recorded_hardware, recorded_measurement, standing_hosts, write_record
+
+    here = {"cpu": "AMD EPYC 9R14", "cpu_flags": ["avx2"], "gpus": []}
+    intel = {"cpu": "Intel(R) Xeon(R) Processor", "cpu_flags": ["avx2", "amx_bf16"], "gpus": []}
+    monkeypatch.setenv("SPECTIE_ROOT", str(tmp_path))
+    monkeypatch.delenv("SPECTIE_OWN_RECORDS_ONLY", raising=False)
+    monkeypatch.delenv(fingerprint.STAND_IN, raising=False)
+    monkeypatch.setattr(fingerprint, "_this_hardware", lambda: here)
+    monkeypatch.setattr(fingerprint, "host_id", lambda: "aaaaaaaaaaaa")
+    key = lambda: fingerprint.measurement_key("margins", None, {"prompt": 1}, ())  # noqa: E731
+    key_here, key_intel = key(), fingerprint.measurement_key("margins", None, {"prompt": 1}, (), on=intel)
+    assert key_here != key_intel
+    record = {**measured_record, "id": "margins-cpu-scan-bbbbbbbbbbbb",
+              "parameters": {**measured_record["parameters"], "measurement_key": key_intel},
+              "fingerprint": {**measured_record["fingerprint"], "host_id": "bbbbbbbbbbbb", **intel, "gpu": None}}
+    del record["fingerprint"]["gpus"]
+    write_record(record, tmp_path / "results" / "measured" / "cpu-bbbbbbbbbbbb" / "margins" / f"{record['id']}.json")
+    own = tmp_path / "results" / "measured" / "cpu-aaaaaaaaaaaa" / "margins" / "margins-cpu-scan-aaaaaaaaaaaa.json"
+    assert recorded_hardware() == {"bbbbbbbbbbbb": intel}
+    assert standing_hosts("cpu") == ["aaaaaaaaaaaa"] and recorded_measurement(own, key()) is None
+
+    monkeypatch.setenv(fingerprint.STAND_IN, "bbbbbbbbbbbb")
+    assert key() == key_intel and standing_hosts("cpu") == ["aaaaaaaaaaaa", "bbbbbbbbbbbb"]
+    assert recorded_measurement(own, key()).fingerprint.host_id == "bbbbbbbbbbbb"
+    assert fingerprint.host_id() == "aaaaaaaaaaaa"  # this machine is still itself
+    monkeypatch.setenv(fingerprint.STAND_IN, "cccccccccccc")
+    with pytest.raises(UsageError, match="SPECTIE_STAND_IN_HOST=cccccccccccc: no measured record"):
+        key()

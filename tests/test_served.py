@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from conftest import HAS_VLLM, ROOT, run_cli, survey_near_tie, this_hosts_survey
+from conftest import HAS_VLLM, ROOT, measured_on_this_hardware, run_cli, survey_near_tie, this_hosts_survey
 from spectie import guard, tiestop
 from spectie.guard_measure import SPECULATIVE, free_port, serve_command, wait_until_up
 from spectie.model import resolve_model
@@ -60,17 +60,21 @@ def started_servers(logs, configurations: dict):
 @pytest.fixture(scope="module")
 def tie(request):
     """This host's near-tie stop from its survey (conftest.survey_near_tie) at the guard's own threshold for the
-    organism: (the survey's id, (configuration, prompt, the stop, the threshold)), the second None where this host's
-    survey has none."""
+    organism: (why there is none, (configuration, prompt, the stop, the threshold)), the second None where this
+    host's survey has none or was made on other hardware (a stand-in's: conftest.stand_in_host)."""
     from spectie.thresholds import detector_threshold_for_model
 
     threshold = detector_threshold_for_model(resolve_model("organism"))[0]
     record = this_hosts_survey(request)
+    if not measured_on_this_hardware(record):
+        return (f"the survey the tests read ({record.id}) was made on other hardware ({record.fingerprint.cpu}): "
+                "this machine's near ties are its own ('make build' measures its survey)"), None
     found = survey_near_tie(record, threshold)
     if found is None:
-        return record.id, None
+        return (f"this host's survey ({record.id}) has no stop on end-of-text within the guard's threshold: no "
+                "near-tie to serve here"), None
     configuration, (tokens, seed), stop = found
-    return record.id, (configuration, organism_prompt(tokens, seed), stop, threshold)
+    return None, (configuration, organism_prompt(tokens, seed), stop, threshold)
 
 
 @pytest.fixture(scope="module")
@@ -89,10 +93,9 @@ def near_tie(tie, servers):
     """This host's near-tie stop and the servers of the configuration that made it (the MTP ones, or a plain
     `vllm serve` and a guard in front of it): (prompt, the stop, the threshold, {"server": url, "guard": url}).
     Skipped, saying so, where this host's survey has none."""
-    survey, found = tie
+    why_none, found = tie
     if found is None:
-        pytest.skip(f"this host's survey ({survey}) has no stop on end-of-text within the guard's threshold: no "
-                    "near-tie to serve here")
+        pytest.skip(why_none)
     configuration, prompt, stop, threshold = found
     name = "mtp" if configuration == "mtp-k1" else "plain"
     return prompt, stop, threshold, {"server": servers[name], "guard": servers[f"{name} guard"]}
