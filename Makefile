@@ -116,7 +116,7 @@ list check stale: check-setup
 # the book is built once for all of them.
 TEST_WORKERS ?= 2
 test: setup
-	@status=0; $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests $(if $(K),-k "$(K)") || status=$$?; \
+	@status=0; $(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests $(if $(K),-k "$(K)") || status=$$?; \
 	if [ $$status -eq 5 ] && [ -n "$(K)" ]; then echo "no test matches K=$(K)"; status=0; fi; exit $$status
 
 # mutmut (requirements-mutate.txt), installed into $(VENV) with requirements.txt's pins, for `make mutate` only.

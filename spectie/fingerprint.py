@@ -93,11 +93,40 @@ def key_hardware() -> dict:
 @functools.cache
 def _stand_in_hardware(host: str) -> dict:
     from spectie.errors import UsageError
-    from spectie.records import recorded_hardware
 
     if (found := recorded_hardware().get(host)) is None:
         raise UsageError(f"{STAND_IN}={host}: no measured record of that host names its hardware (results/measured/)")
     return found
+
+
+def recorded_hardware(results_dir: str | os.PathLike | None = None) -> dict[str, dict]:
+    """Each measured host's hardware as its records name it ({host id: `hardware()`-shaped}), from the first of its
+    record files whose fingerprint has the CPU's ISA flags (records made before they counted do not)."""
+    import json
+
+    from spectie.paths import project_root
+
+    found: dict[str, dict] = {}
+    for folder in sorted((Path(results_dir) if results_dir else project_root() / "results").glob("measured/*-*")):
+        host = folder.name.rpartition("-")[2]
+        for path in sorted(folder.rglob("*.json")) if host not in found else ():
+            try:
+                fingerprint = json.loads(path.read_bytes()).get("fingerprint") or {}
+            except (OSError, ValueError):
+                continue
+            if fingerprint.get("host_id") == host and fingerprint.get("cpu_flags") is not None:
+                found[host] = _hardware_of(fingerprint)
+                break
+    return found
+
+
+def _hardware_of(fingerprint: dict) -> dict:
+    """A record's fingerprint (a dict) as `hardware()` gives it: its GPU label ("2 × NVIDIA H100 ...") as names."""
+    label, uuids = fingerprint.get("gpu"), list(fingerprint.get("gpu_uuids") or [])
+    count, _, name = label.partition(" × ") if label and " × " in label else ("1", "", label)
+    names = [name] * int(count) if label else []
+    return {"cpu": fingerprint["cpu"], "cpu_flags": list(fingerprint["cpu_flags"]),
+            "gpus": [[n, uuids[i] if i < len(uuids) else None] for i, n in enumerate(names)]}
 
 
 def same_device(fingerprint) -> bool:

@@ -222,31 +222,6 @@ def standing_hosts(environment: str, results_dir: str | os.PathLike | None = Non
     return hosts
 
 
-def recorded_hardware(results_dir: str | os.PathLike | None = None) -> dict[str, dict]:
-    """Each measured host's hardware as its records name it ({host id: `fingerprint.hardware()`-shaped}), from the
-    first of its records whose fingerprint has the CPU's ISA flags (records made before they counted do not)."""
-    results_dir = Path(results_dir) if results_dir else project_root() / "results"
-    found: dict[str, dict] = {}
-    for folder in sorted((results_dir / "measured").glob("*-*")):
-        host = folder.name.rpartition("-")[2]
-        if host in found or not HOST_ID_PATTERN.fullmatch(host):
-            continue
-        for path in sorted(folder.rglob(f"*{RECORD_SUFFIX}")):
-            record = read_if_valid(path)
-            if record is not None and record.fingerprint and record.fingerprint.cpu_flags is not None:
-                found[host] = _hardware_of(record.fingerprint)
-                break
-    return found
-
-
-def _hardware_of(fingerprint) -> dict:
-    label, uuids = fingerprint.gpu, list(fingerprint.gpu_uuids or [])
-    count, _, name = label.partition(" × ") if label and " × " in label else ("1", "", label)
-    names = [name] * int(count) if label else []
-    return {"cpu": fingerprint.cpu, "cpu_flags": list(fingerprint.cpu_flags),
-            "gpus": [[n, uuids[i] if i < len(uuids) else None] for i, n in enumerate(names)]}
-
-
 def standing_first(records: list[Record], environment: str) -> list[Record]:
     """`records`, those of the hosts standing for this machine in `environment` first (`standing_hosts`: this
     host's, then those of hosts of identical hardware), the rest after them in their order."""

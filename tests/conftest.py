@@ -37,8 +37,8 @@ def stand_in_host() -> str | None:
     SPECTIE_OWN_RECORDS_ONLY=1 (`NEW_HOST=1 scripts/time_pipeline.sh`: this machine as hardware new to the records)
     a host of other hardware stands in, as it would on new hardware. The tests that need this hardware's own near
     ties skip where the survey they read was made on other hardware (`measured_on_this_hardware`)."""
-    from spectie.fingerprint import STAND_IN, device, hardware
-    from spectie.records import OWN_RECORDS_ONLY, recorded_hardware
+    from spectie.fingerprint import STAND_IN, device, hardware, recorded_hardware
+    from spectie.records import OWN_RECORDS_ONLY
 
     if os.environ.get(STAND_IN):
         return os.environ[STAND_IN]
@@ -69,14 +69,15 @@ def measured_on_this_hardware(record) -> bool:
 
 def own_records(root: Path, pattern: str) -> list[Path]:
     """The record files matching `pattern` inside a host's folder of the cpu environment ("margins/*.json") that
-    stand for this machine in `root`'s results: this host's, else those of a host of identical hardware, whose
-    records a build here reuses instead of measuring again (`records.standing_hosts`)."""
+    stand for this machine in `root`'s results: each record as this host has it, else as the first host of identical
+    hardware has it, whose record a build here reuses instead of measuring again (`records.standing_hosts`)."""
     from spectie.records import standing_hosts
 
+    found: dict[str, Path] = {}
     for host in standing_hosts("cpu", root / "results"):
-        if found := sorted((root / "results" / "measured" / f"cpu-{host}").glob(pattern)):
-            return found
-    return []
+        for path in (root / "results" / "measured" / f"cpu-{host}").glob(pattern):
+            found.setdefault(path.name.replace(host, "<host>"), path)
+    return sorted(found.values(), key=lambda path: path.name)
 
 
 def this_hosts_records(request, pattern: str) -> list[Path]:

@@ -425,7 +425,7 @@ def test_a_stand_in_host_keys_and_reuses_measurements_as_its_hardware_and_names_
     is refused before anything runs."""
     from spectie import fingerprint
     from spectie.errors import UsageError
-    from spectie.records import recorded_hardware, recorded_measurement, standing_hosts, write_record
+    from spectie.records import recorded_measurement, standing_hosts, write_record
 
     here = {"cpu": "AMD EPYC 9R14", "cpu_flags": ["avx2"], "gpus": []}
     intel = {"cpu": "Intel(R) Xeon(R) Processor", "cpu_flags": ["avx2", "amx_bf16"], "gpus": []}
@@ -443,7 +443,7 @@ def test_a_stand_in_host_keys_and_reuses_measurements_as_its_hardware_and_names_
     del record["fingerprint"]["gpus"]
     write_record(record, tmp_path / "results" / "measured" / "cpu-bbbbbbbbbbbb" / "margins" / f"{record['id']}.json")
     own = tmp_path / "results" / "measured" / "cpu-aaaaaaaaaaaa" / "margins" / "margins-cpu-scan-aaaaaaaaaaaa.json"
-    assert recorded_hardware() == {"bbbbbbbbbbbb": intel}
+    assert fingerprint.recorded_hardware() == {"bbbbbbbbbbbb": intel}
     assert standing_hosts("cpu") == ["aaaaaaaaaaaa"] and recorded_measurement(own, key()) is None
 
     monkeypatch.setenv(fingerprint.STAND_IN, "bbbbbbbbbbbb")
