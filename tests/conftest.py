@@ -33,15 +33,17 @@ def stand_in_host() -> str | None:
     """The host of the cpu environment whose committed measurements the tests' book build renders where the records
     know no machine of this one's hardware (SPECTIE_STAND_IN_HOST, `fingerprint.key_hardware`): measuring this
     machine from nothing takes `make build` about ten minutes on two cores, more than the whole suite may take. A
-    host of this CPU's maker where there is one. None where this machine's hardware has records. Under
+    host of this CPU's maker where there is one. None where this machine or its hardware has records. Under
     SPECTIE_OWN_RECORDS_ONLY=1 (`NEW_HOST=1 scripts/time_pipeline.sh`: this machine as hardware new to the records)
     a host of other hardware stands in, as it would on new hardware. The tests that need this hardware's own near
     ties skip where the survey they read was made on other hardware (`measured_on_this_hardware`)."""
-    from spectie.fingerprint import STAND_IN, device, hardware, recorded_hardware
+    from spectie.fingerprint import STAND_IN, device, hardware, host_id, recorded_hardware
     from spectie.records import OWN_RECORDS_ONLY
 
     if os.environ.get(STAND_IN):
         return os.environ[STAND_IN]
+    if any((ROOT / "results" / "measured" / f"cpu-{host_id()}" / "reproduce").glob("*.json")):
+        return None  # this machine's own measurements (its `make build`)
     as_new = os.environ.get(OWN_RECORDS_ONLY) == "1"
     here = device(hardware())
     hosts = {host: device(found) for host, found in recorded_hardware(ROOT / "results").items()
