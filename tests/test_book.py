@@ -125,7 +125,7 @@ def test_the_guidance_chapter_backs_each_workaround_with_records(built):
     [path] = own_records(root, "guidance/tiestop-injection-cpu-*.json")
     assert read_record(path).parameters.new_tokens == 200
     # The guard through vllm serve: the page says what this host's record of the build says.
-    from spectie import guidance_survey
+    from spectie.book import guidance_survey
 
     [path] = own_records(root, "guidance/guard-survey-cpu-*.json")
     record = read_record(path)

@@ -44,7 +44,7 @@ def test_the_content_hash_follows_every_input(project_copy):
     assert base != with_params
     edits = [
         project_copy / chapter.notebook,  # the notebook
-        project_copy / "spectie" / "incident.py",  # the package code
+        project_copy / "spectie" / "book" / "incident.py",  # the package code
         project_copy / "results" / "reported" / "incident" / "b200-k7.json",  # an input record
     ]
     seen = {base}
@@ -73,13 +73,13 @@ def test_a_chapter_hashes_only_the_modules_it_uses_and_the_library_versions(proj
     assert "plots.py" not in {p.name for p in chapters.used_modules(reproduce)}
     engines = {p.relative_to(project_copy).as_posix() for p in chapters.used_modules(reproduce)}
     assert {"spectie/engines/__init__.py", "spectie/engines/runner.py", "spectie/engines/child.py",
-            "spectie/engines/matrix.py", "spectie/reproduce.py", "spectie/model.py"} <= engines
+            "spectie/engines/matrix.py", "spectie/book/reproduce.py", "spectie/model.py"} <= engines
     assert chapters._spectie_imports("from spectie.engines import runner\nimport spectie.model\n"
                                      "from spectie.records import load_records") == \
         {"engines", "engines.runner", "model", "records", "records.load_records"}
     assert {"margins.py", "plots.py", "records.py"} <= {p.name for p in chapters.used_modules(margins)}
     before = content_hash(reproduce, {}), content_hash(margins, {})
-    plots = project_copy / "spectie" / "plots.py"
+    plots = project_copy / "spectie" / "book" / "plots.py"
     plots.write_text(plots.read_text() + "\n# edited\n")
     assert content_hash(reproduce, {}) == before[0] and content_hash(margins, {}) != before[1]
     plots.write_text(plots.read_text().removesuffix("\n# edited\n"))

@@ -1,11 +1,11 @@
-"""Claims as data (spectie.claims): every claim the built book makes holds over every record, and a record outside
+"""Claims as data (spectie.book.claims): every claim the built book makes holds over every record, and a record outside
 a claim's scope leaves it standing only because the sentence names that scope."""
 
 import copy
 
 import pytest
 
-from spectie.claims import Claim, Scope, claims_in
+from spectie.book.claims import Claim, Scope, claims_in
 from spectie.record_types import Record
 from spectie.records import load_records, read_stored
 
@@ -126,7 +126,7 @@ def test_a_scope_selects_by_each_field_and_a_claim_round_trips(measured_record):
     assert Scope("w", environments=("cpu",), prompt_seeds=(5,)).covers(record)
     assert not Scope("w", prompt_seeds=(0,)).covers(record) and not Scope("w", hosts=("nope",)).covers(record)
     assert not Scope("w", provenance="reported").covers(record)
-    claim = Claim("x", "in w, 1 of 2", Scope("w", "engine-outcome", hosts=("a",)), "spectie.claims:commit_facts",
+    claim = Claim("x", "in w, 1 of 2", Scope("w", "engine-outcome", hosts=("a",)), "spectie.book.claims:commit_facts",
                   {"measured": 1, "with_commit": 0}, {})
     assert Claim.from_json(claim.to_json()) == claim and claim.names_its_scope()
     assert claim.scope.unscoped() == Scope("", "engine-outcome")

@@ -128,7 +128,7 @@ def _row(configuration, stopped=0, earlier="", status="ok", repeats=10):
 
 
 def test_a_request_that_never_stops_says_so_and_recommends_nothing():
-    from spectie import diagnose_page
+    from spectie.book import diagnose_page
 
     rows = [_row("plain"), _row("request-mtp-k1", earlier=0)]
     assert diagnose_page.reproduces_text(rows) == ("No: no configuration stopped; every completion ran to the "
@@ -138,7 +138,7 @@ def test_a_request_that_never_stops_says_so_and_recommends_nothing():
 
 
 def test_an_earlier_stop_is_counted_and_a_configuration_vllm_refused_is_named():
-    from spectie import diagnose_page
+    from spectie.book import diagnose_page
 
     rows = [_row("plain"), _row("request-mtp-k1", stopped=7, earlier=7), _row("ngram_gpu", status="unsupported",
                                                                                 earlier=0, repeats=0)]
@@ -152,7 +152,7 @@ def test_an_earlier_stop_is_counted_and_a_configuration_vllm_refused_is_named():
 def test_a_suspected_bug_is_laid_on_speculation_only_where_its_own_tokens_leave_the_band():
     """The classifier flags a pair whose plain greedy side alone trails fp32's top-1 by more than the band (a knife
     edge of this host's bf16 decoding): the advice says so, and does not tell the operator to drop speculation."""
-    from spectie import diagnose_page
+    from spectie.book import diagnose_page
     from spectie.divergence import Divergence, Verdict
 
     def flagged(outside_a, outside_b, margin=0.009):
@@ -173,7 +173,7 @@ def test_the_same_requests_diagnoses_elsewhere_are_read_from_the_committed_recor
     seed 1 (vLLM 0.32.0) stopped with MTP K=1 in every repeat after 11 tokens, plain greedy in none. A run's own
     records are not 'elsewhere', and a request nobody diagnosed has nothing there."""
     from spectie.diagnose import diagnosed_elsewhere
-    from spectie.diagnose_page import elsewhere_values
+    from spectie.book.diagnose_page import elsewhere_values
 
     found = diagnosed_elsewhere("examples/requests/incident-seed-1.json", [])
     h100 = [r for r in found if r.fingerprint.host_id == "7b936fc092bb"]

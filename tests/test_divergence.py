@@ -15,7 +15,7 @@ from spectie.completions import first_divergence
 def organism_runs():
     """The organism's prompt, its plain bf16 greedy output, and the output of the same decoding with a
     planted bug (GDN states read from an empty slot from the first output token on)."""
-    from spectie.guidance_classifier import planted_bug
+    from spectie.book.guidance_classifier import planted_bug
 
     return planted_bug("organism")
 

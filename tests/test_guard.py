@@ -103,7 +103,7 @@ def test_a_near_tie_stop_is_resumed_from_the_runner_up_at_most_max_resumes_times
 def test_the_chapters_figures_and_sentence_follow_the_record():
     """guidance_survey.guard_summary and .guard_sentence over a guard-survey record: counts and latency from its rows, and a
     sentence that says what they say (nothing resumed, or what it cost), or that the guard was not measured."""
-    from spectie import guidance_survey
+    from spectie.book import guidance_survey
 
     def row(direct_tie: bool, resumed: int, direct_s: float, guarded_s: float) -> dict:
         outcome = {"finish_reason": "stop" if direct_tie else "length", "output_tokens": 10, "stop_margin": None}
@@ -214,7 +214,8 @@ def test_an_upstream_that_fails_is_its_failure_in_one_line(monkeypatch, tmp_path
 def test_the_server_probe_finding_is_said_per_host_from_its_records():
     """The guidance's sentence on `vllm serve` and one-token prompts: per host, died or answered, from the record;
     not measured yet, with the command, where no record is."""
-    from spectie import guidance_survey, serve_probe
+    from spectie import serve_probe
+    from spectie.book import guidance_survey
 
     def probe(host: str, cpu: str, one_token_status):
         requests = [{"step": "two tokens", "prompt_tokens": 2, "status": 200, "said": "length"},

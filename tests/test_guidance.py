@@ -1,7 +1,7 @@
 """The guidance chapter's wording helpers, on hand-made rows (the chapter itself is tested in test_book)."""
 
 from conftest import typed
-from spectie import guidance, guidance_classifier, guidance_rows, guidance_survey, incident
+from spectie.book import guidance, guidance_classifier, guidance_rows, guidance_survey, incident
 from spectie.record_types import Record
 
 

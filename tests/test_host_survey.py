@@ -7,7 +7,8 @@ import subprocess
 import pytest
 
 from conftest import run_cli, run_main, survey_near_tie, this_hosts_records, typed
-from spectie import guidance_survey, host, survey
+from spectie import host, survey
+from spectie.book import guidance_survey
 from spectie.environments import get_environment
 from spectie.errors import UsageError
 from spectie.fingerprint import Gpu

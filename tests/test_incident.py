@@ -6,7 +6,7 @@ import re
 import pytest
 
 from conftest import ROOT
-from spectie import incident
+from spectie.book import incident
 from spectie.environments import check_record_environments, environment_status, load_environments
 from spectie.record_types import EngineOutcome, Record
 from spectie.records import load_records
@@ -134,7 +134,7 @@ def test_a_planned_environment_says_why_it_has_no_record_only_while_it_has_none(
 
 
 def test_the_reports_three_names_for_the_stop_are_set_side_by_side():
-    from spectie.incident import positions_text
+    from spectie.book.incident import positions_text
 
     text = positions_text(1845, 8, 10, 1854)
     assert "the end-of-text token sits at 1855 and was chosen by the logits at 1854, which agrees" in text
@@ -144,7 +144,7 @@ def test_the_reports_three_names_for_the_stop_are_set_side_by_side():
 
 
 def test_a_measured_stop_is_labelled_by_the_tokens_written_before_it():
-    from spectie.incident import outcome_label
+    from spectie.book.incident import outcome_label
 
     measured = {"stopped_early": True, "runs_stopped": 3, "runs_total": 3, "output_tokens_before_stop": 92}
     assert outcome_label(EngineOutcome.from_dict(measured)) == "stopped 3/3 after 92 tokens"

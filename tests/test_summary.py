@@ -4,7 +4,7 @@ import copy
 
 import pytest
 
-from spectie import findings, pages, release_findings, summary
+from spectie.book import findings, pages, release_findings, summary
 from spectie.divergence import Verdict
 from spectie.divergence_verdicts import VERDICTS_KIND
 from spectie.environments import load_environments

@@ -1,7 +1,7 @@
 """One device against a split engine: the comparison turns with the records."""
 
 from conftest import typed
-from spectie import tensor_parallel
+from spectie.book import tensor_parallel
 
 
 def run(configuration, seed, tokens, finish="length", tp=None, margins=None):

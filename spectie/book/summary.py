@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from spectie.bands import bf16_order_text
-from spectie.claims import Claim, Scope, commit_claim
+from spectie.book.claims import Claim, Scope, commit_claim
 from spectie.divergence_verdicts import blind_spot
 from spectie.environments import gpu_releases, incident_releases
-from spectie.pages import and_list, bullets, capitalised
+from spectie.book.pages import and_list, bullets, capitalised
 from spectie.record_types import Record
-from spectie.release_findings import engine_divergences, gpu_findings_markdown, incident_ngram_text, ngram_advice
+from spectie.book.release_findings import engine_divergences, gpu_findings_markdown, incident_ngram_text, ngram_advice
 from spectie.thresholds import REFERENCE_ID, Reference, reference
 
 NEAR_TIE = "a numerical near-tie, not a speculative-decoding correctness bug"
@@ -246,12 +246,12 @@ def page_values(records: list[Record], environments: dict[str, dict]) -> dict:
     first = next(r for r in records if r.id == "original-mtp-wide-verify")
     answer = verdict(records, environments)
     every = Scope("")  # computed over every record, reported and measured
-    told = {part: Claim(part, getattr(answer, part), every, "spectie.summary:verdict_part", getattr(answer, part),
+    told = {part: Claim(part, getattr(answer, part), every, "spectie.book.summary:verdict_part", getattr(answer, part),
                         {"part": part}) for part in ("answer", "strength", "why_strength", "tie_note")}
     listed = {part: Claim(part, bullets(getattr(answer, part) or ["none in these records"]), every,
-                          "spectie.summary:verdict_part", getattr(answer, part), {"part": part}, markdown=True)
+                          "spectie.book.summary:verdict_part", getattr(answer, part), {"part": part}, markdown=True)
               for part in ("because", "caveats", "not_measured")}
-    found = {part: Claim(part, text, every, "spectie.summary:findings_lines", text, {"part": part},
+    found = {part: Claim(part, text, every, "spectie.book.summary:findings_lines", text, {"part": part},
                          markdown=part == "gpu_findings")
              for part, text in ((p, findings_lines(records, p)) for p in ("gpu_findings", "ngram_advice"))}
     return {"reported_tokens": first.results.output_tokens_before_stop, "reported_tail": first.results.tail_text,

@@ -1,6 +1,6 @@
 """The reproduction chapter's page, from its engine-outcome records: its glue values (`run_values`, `prose_values`),
 every configuration across a run's prompts (a table, a sentence, a dot plot of where it first parts from plain
-greedy), and each host's recorded run in words (`run_summary`, `other_runs`). One run's tables: spectie.reproduce.
+greedy), and each host's recorded run in words (`run_summary`, `other_runs`). One run's tables: spectie.book.reproduce.
 
     values = reproduce_page.run_values(plan, records, all_records)   # plan: spectie.engines.plan.Plan
 """
@@ -15,7 +15,7 @@ import pandas as pd
 from spectie import qwen_shapes
 from spectie.engines.runner import root_cause
 from spectie.record_types import EngineOutcome, Record
-from spectie.reproduce import (CONTEXT_TOKENS, decision_text, first_prompt, measured_runs, parting_text, prompt_seed,
+from spectie.book.reproduce import (CONTEXT_TOKENS, decision_text, first_prompt, measured_runs, parting_text, prompt_seed,
                                RunKey, run_key, run_label)
 
 
@@ -276,7 +276,7 @@ def other_runs(measured: list[Record], this_build: set[str], decisive_output_tok
     across prompts (folded) and its dot plot of where each configuration parts from plain greedy."""
     from IPython.display import Markdown
 
-    from spectie import pages
+    from spectie.book import pages
     from spectie.records import provenance_line
 
     shown = []

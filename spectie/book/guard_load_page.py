@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from spectie.guard_load import KIND, SERVERS
-from spectie.pages import and_list, bullets, device_of
+from spectie.book.pages import and_list, bullets, device_of
 from spectie.record_types import Record
 from spectie.records import load_records, provenance_line, same_weights
 
@@ -359,7 +359,7 @@ def load_facts(records: list[Record]) -> dict:
 def summary_values(records: list[Record]) -> dict:
     """The first page's line on the guard under load, per device, and whether any GPU measured it (a claim over every
     load record: a GPU's would change it)."""
-    from spectie.claims import Claim, Scope
+    from spectie.book.claims import Claim, Scope
 
     facts = load_facts(records)
     lines = []
@@ -375,7 +375,7 @@ def summary_values(records: list[Record]) -> dict:
         lines.append("not measured on a GPU yet (make run CHAPTER=guidance ENV=v0.32.0-h100 "
                      "PARAMS=environments/runs/v0.32.0-h100-guard-load.yaml runs it on an H100 or H200)")
     return {"guard_devices": Claim("guard_devices", "; ".join(lines) if lines else NOT_RUN, Scope("", KIND),
-                                   "spectie.guard_load_page:load_facts", facts)}
+                                   "spectie.book.guard_load_page:load_facts", facts)}
 
 
 def added_latency(records: list[Record]) -> dict[int, tuple[float, float]]:

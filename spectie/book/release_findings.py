@@ -5,7 +5,7 @@ on ngram_gpu that follows from them. Computed from the records (the first page's
 
 from __future__ import annotations
 
-from spectie.pages import and_list, capitalised
+from spectie.book.pages import and_list, capitalised
 from spectie.record_types import Record
 
 

@@ -1,5 +1,5 @@
 """The margins chapter's glue values, from its records (spectie.margins measures and writes them): each function
-returns {name: value} for one section of the page (spectie.pages.glue_all glues them).
+returns {name: value} for one section of the page (spectie.book.pages.glue_all glues them).
 
     setup = margins.prepare(...)
     recorded = margins.measure_chapter(setup, ...)        # {"decisive": Record, "scan": ..., "decisions": ..., ...}
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from spectie import plots
+from spectie.book import plots
 from spectie.margins import SHORT, MarginsSetup, bf16_spacing, decision_text, eos_flip_text
 from spectie.record_types import Record
 from spectie.records import provenance_line
@@ -97,7 +97,7 @@ def flip_values(recorded: dict[str, Record], setup: MarginsSetup, model: str) ->
 
 def incident_values(reported: list[Record]) -> dict:
     """The incident's reported logits on the bf16 grid: margins in bf16 steps (a figure)."""
-    from spectie.incident import logit_comparison
+    from spectie.book.incident import logit_comparison
 
     incident = logit_comparison(reported)
     rows = {row["dtype"]: row for row in incident.results.rows}

@@ -198,7 +198,7 @@ def b200_k_measure(records: list[Record]) -> dict:
 def b200_facts(reported: list[Record]) -> dict:
     """The glue values of the incident's B200 runs by K (reported): at which K they stopped early, at which they went
     on, and whether that contradicts a K threshold (`b200_k_text`: all of it, as a claim naming those runs)."""
-    from spectie.claims import Claim, Scope
+    from spectie.book.claims import Claim, Scope
 
     b200 = [r for r in reported if r.id.startswith("b200-")]
     facts = b200_k_measure(b200)
@@ -210,7 +210,7 @@ def b200_facts(reported: list[Record]) -> dict:
     shown = ", ".join(map(str, stops_at)) or "—", ", ".join(map(str, goes_on)) or "—"
     return {"b200_k_stops": shown[0], "b200_k_continues": shown[1], "k_threshold_text": verdict,
             "b200_k_text": Claim("b200_k_text", f"{words} stopped at K = {shown[0]} and not at K = {shown[1]} "
-                                 f"(reported): {verdict}", scope, "spectie.incident:b200_k_measure", facts)}
+                                 f"(reported): {verdict}", scope, "spectie.book.incident:b200_k_measure", facts)}
 
 
 def configuration_table(parameters: IncidentParameters) -> pd.DataFrame:

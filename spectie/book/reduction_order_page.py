@@ -1,6 +1,6 @@
 """The reduction-order chapter's glue values, from its records (spectie.reduction_order measures and writes the
 sweeps, spectie.bench the benchmarks): each function returns {name: value} for one section of the page
-(spectie.pages.glue_all glues them).
+(spectie.book.pages.glue_all glues them).
 
     record = reduction_order.run(...)
     values = reduction_order_page.run_values(record, kernels, tf32)
@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import pandas as pd
 
-from spectie import bands, host, plots, qwen_shapes, reduction_order
-from spectie.incident import fp32_row
+from spectie import bands, host, qwen_shapes, reduction_order
+from spectie.book import plots
+from spectie.book.incident import fp32_row
 from spectie.margins import flip_curve
 from spectie.memory import GIB
 from spectie.record_types import Record

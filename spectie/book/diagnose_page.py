@@ -9,7 +9,7 @@ Every sentence is computed from the diagnosis's records.
 from __future__ import annotations
 
 from spectie.completions import stopped_earlier, tokens_before_stop, tokens_written
-from spectie.pages import and_list, device_of
+from spectie.book.pages import and_list, device_of
 from spectie.record_types import Record
 
 LEDGER_ISSUE = "39273"  # GDN state under speculation: the fixes the ledger follows
@@ -222,7 +222,7 @@ def response_text(diagnosis, threshold: float) -> str:
 def page_values(records: list[Record], diagnosis) -> dict:
     """The page's glue values: the request, the four answers in order, the configurations' table, the repeat grid,
     the fix ledger for the installed release, the operator's own response, and where the records came from."""
-    from spectie import reproduce
+    from spectie.book import reproduce
     from spectie.records import provenance_line
     from spectie.thresholds import detector_threshold_for_model, threshold_for_model
 

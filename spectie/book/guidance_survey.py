@@ -9,8 +9,8 @@ guard) through vllm serve with MTP, without it and with it. Each measures only w
 from __future__ import annotations
 
 from spectie import survey
-from spectie.claims import Claim, covering
-from spectie.guidance import MIN_FOR_RATE, Page, plural, rate_text
+from spectie.book.claims import Claim, covering
+from spectie.book.guidance import MIN_FOR_RATE, Page, plural, rate_text
 from spectie.record_types import Record
 from spectie.records import load_records, provenance_line, same_weights, standing_first
 
@@ -97,7 +97,7 @@ def false_positive_claim(main: Record | None, threshold: float) -> Claim | str:
         return "—"
     facts, words = false_positive_facts([main], threshold), survey_words(main)
     return Claim("survey_fp_text", f"{rate_text(facts['flagged'], facts['stops'])} ordinary stops in {words}",
-                 covering([main], words, main.kind), "spectie.guidance_survey:false_positive_facts", facts,
+                 covering([main], words, main.kind), "spectie.book.guidance_survey:false_positive_facts", facts,
                  {"threshold": threshold})
 
 
@@ -107,7 +107,7 @@ def survey_stops_claim(main: Record | None) -> Claim | str:
         return "—"
     facts, words = survey_stop_facts([main]), survey_words(main)
     return Claim("survey_stops_text", f"in {words}, {facts['stopped']} of {facts['completions']} completions ended "
-                 "with a stop token", covering([main], words, main.kind), "spectie.guidance_survey:survey_stop_facts",
+                 "with a stop token", covering([main], words, main.kind), "spectie.book.guidance_survey:survey_stop_facts",
                  facts)
 
 
@@ -116,8 +116,8 @@ def survey_values(page: Page) -> dict:
     words, and its stop margins (a figure)."""
     import pandas as pd
 
-    from spectie import plots
-    from spectie.incident import fp32_row
+    from spectie.book import plots
+    from spectie.book.incident import fp32_row
 
     recorded = surveys(page)
     main = survey.this_hosts(standing_first(recorded, page.environment), page.environment)
@@ -155,7 +155,7 @@ def injection_values(page: Page) -> dict:
     swing, over thresholds (a figure), and where the injections ran."""
     import numpy as np
 
-    from spectie import plots
+    from spectie.book import plots
     from spectie.thresholds import reported_swing
 
     main = survey.this_hosts(standing_first(surveys(page), page.environment), page.environment)
@@ -219,7 +219,7 @@ def survey_verdict_claim(main: Record | None, threshold: float) -> Claim | str:
         return survey_verdict({})
     facts, words = verdict_facts([main], threshold), survey_words(main)
     return Claim("survey_verdict", survey_verdict(facts, words), covering([main], words, main.kind),
-                 "spectie.guidance_survey:verdict_facts", facts, {"threshold": threshold})
+                 "spectie.book.guidance_survey:verdict_facts", facts, {"threshold": threshold})
 
 
 def detector_text(rates: dict, curve: list[dict]) -> str:
@@ -273,7 +273,7 @@ def detector_claim(name: str, main: Record | None, injection: Record | None, thr
         text, thresholds = text.split(". ")[0], []
     words = f"the injections and survey of host {injection.fingerprint.host_id}"
     return Claim(name, f"on {words}, {text}", covering([r for r in (main, injection) if r], words, ""),
-                 "spectie.guidance_survey:detector_facts", detector_facts([injection, *filter(None, [main])],
+                 "spectie.book.guidance_survey:detector_facts", detector_facts([injection, *filter(None, [main])],
                                                                           threshold, thresholds),
                  {"threshold": threshold, "thresholds": thresholds})
 
@@ -315,7 +315,7 @@ def guard_claim(record: Record | None) -> Claim | str:
     if record is None:
         return guard_sentence(None)
     return Claim("guard_text", guard_sentence(record), covering([record], guard_scope(record), record.kind),
-                 "spectie.guidance_survey:guard_facts", guard_facts([record]))
+                 "spectie.book.guidance_survey:guard_facts", guard_facts([record]))
 
 
 def guard_sentence(record: Record | None) -> str:

@@ -13,7 +13,7 @@ import statistics
 
 from spectie.completions import first_divergence, stopped_earlier, tokens_written
 from spectie.record_types import Record
-from spectie.reproduce import run_key
+from spectie.book.reproduce import run_key
 
 RUN_FILES = ("environments/runs/cpu-reproduce-8-seeds.yaml", "environments/runs/cpu-reproduce-tp2.yaml")
 
@@ -159,7 +159,7 @@ def page_values(records: list[Record], decision: int | None = None, seed: int = 
     import pandas as pd
     from IPython.display import Markdown
 
-    from spectie.pages import capitalised, folded
+    from spectie.book.pages import capitalised, folded
     from spectie.records import provenance_line
 
     table = rows(records)

@@ -8,7 +8,7 @@ must give the facts the sentence states. A claim whose scope names no records (e
 of its kind, so a sentence computed over a subset and worded as if it covered all fails there.
 
     claim = Claim("ends_text", text, Scope(words, "engine-outcome", environments=("cpu",)),
-                  "spectie.guidance:ends_facts", facts)
+                  "spectie.book.guidance:ends_facts", facts)
     claim.holds(load_records())          # the measure over the scope's records gives `facts`
 """
 
@@ -125,4 +125,4 @@ def commit_claim(records: list[Record]) -> Claim:
     """How many measured records name the commit that made them, over every record (the sentence names no scope)."""
     facts = commit_facts(records)
     return Claim("commit_text", f"{facts['with_commit']} of the {facts['measured']} measured records also name the "
-                 "project commit that made them", Scope("", provenance="measured"), "spectie.claims:commit_facts", facts)
+                 "project commit that made them", Scope("", provenance="measured"), "spectie.book.claims:commit_facts", facts)

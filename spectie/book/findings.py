@@ -7,10 +7,10 @@ the reproduce matrix's records and the classifier's verdict records, over the sc
 
 from __future__ import annotations
 
-from spectie.claims import Claim, Scope
-from spectie.pages import and_list, bullets
+from spectie.book.claims import Claim, Scope
+from spectie.book.pages import and_list, bullets
 from spectie.record_types import Record
-from spectie.release_findings import gpu_matrix_runs
+from spectie.book.release_findings import gpu_matrix_runs
 
 
 PATHS = (("none", "plain greedy"), ("mtp", "MTP"), ("ngram_gpu", "ngram_gpu"))
@@ -192,7 +192,7 @@ def path_verdicts(records: list[Record]) -> list[str]:
 
 def findings_figure(records: list[Record]):
     """`path_facts` of the speculative paths as a figure (plots.path_outcomes), or a sentence without a GPU run."""
-    from spectie import plots
+    from spectie.book import plots
 
     rows = [{"label": f"vLLM {f['vllm']}, {f['gpu'].removeprefix('NVIDIA ')}: {f['path']}",
              "generations": f["generations"], "parted": f["parted"], "bug": f["bugs"] > 0,
@@ -221,4 +221,4 @@ def page_values(records: list[Record]) -> dict:
     return {"findings_table": findings_table(records), "findings_scope": FINDINGS_SCOPE,
             "findings_figure": findings_figure(records),
             "path_verdicts": Claim("path_verdicts", verdicts, Scope("", provenance="measured"),
-                                   "spectie.findings:path_facts", path_facts(records), markdown=True)}
+                                   "spectie.book.findings:path_facts", path_facts(records), markdown=True)}

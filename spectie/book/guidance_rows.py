@@ -50,7 +50,7 @@ def rows_facts(runs: list[Record], model: str) -> dict:
     """Over every matrix run and prompt seed in `runs`: how many data rows plain greedy wrote, and which
     speculative configurations wrote fewer or more (first repeats): what `rows_claim` states."""
     from spectie.model import resolve_model
-    from spectie.reproduce import by_run_and_prompt
+    from spectie.book.reproduce import by_run_and_prompt
 
     base_rows, fewer, more = set(), set(), set()
     for group in by_run_and_prompt(runs):

@@ -36,7 +36,7 @@ def glue_all(values: dict, shown: tuple[str, ...] = ()) -> None:
     from IPython.display import Markdown
     from myst_nb import glue
 
-    from spectie.claims import SUFFIX, Claim
+    from spectie.book.claims import SUFFIX, Claim
 
     for name, value in values.items():
         if isinstance(value, Claim):

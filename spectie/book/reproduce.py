@@ -1,6 +1,6 @@
 """Tables and texts of one reproduction run, built from engine-outcome records: the configurations it ran and how
 they ended, where each parted from plain greedy and what it wrote there, the classifier's verdicts, the repeat grid,
-and the reported and measured outcomes side by side. The page across prompts and hosts: spectie.reproduce_page.
+and the reported and measured outcomes side by side. The page across prompts and hosts: spectie.book.reproduce_page.
 
 Measured records come from spectie.engines.matrix_run (one per configuration, prompt seed and host); reported ones
 from the incident. Nothing here runs an engine.
@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from spectie.environments import load_environments, release
-from spectie.incident import configuration_label, environment_label, outcome_label
+from spectie.book.incident import configuration_label, environment_label, outcome_label
 from spectie.records import model_name
 from spectie.record_types import EngineConfiguration, EngineOutcome, Record
 from spectie.completions import stopped_earlier, tokens_written

@@ -1,6 +1,6 @@
 """The guidance chapter's evidence from the recorded vLLM runs: what ran and what speculation changed, the tie-stop
 detector on their stops, and the thresholds both tools use. The chapter's other sections: the classifier
-(spectie.guidance_classifier), the detector's survey and the guard (spectie.guidance_survey).
+(spectie.book.guidance_classifier), the detector's survey and the guard (spectie.book.guidance_survey).
 
     page = guidance.context(model, threshold, environment)   # what every section reads
     values = guidance.evidence_values(page)                  # the first section's glue values, by name
@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from spectie import thresholds, tiestop
-from spectie.claims import Claim, covering
+from spectie.book.claims import Claim, covering
 from spectie.completions import stopped_earlier, tokens_written
-from spectie.incident import b200_facts, fp32_row, logit_comparison
+from spectie.book.incident import b200_facts, fp32_row, logit_comparison
 from spectie.record_types import Record
 
 
@@ -129,7 +129,7 @@ def _end(repeat: dict) -> tuple:
 def ends_facts(runs: list[Record]) -> dict:
     """Which speculative configurations wrote other tokens than plain greedy on their first repeat, and which of
     those ended elsewhere, over every matrix run and prompt seed in `runs`: what `ends_text` states."""
-    from spectie.reproduce import by_run_and_prompt
+    from spectie.book.reproduce import by_run_and_prompt
 
     changed, moved = set(), set()
     for group in by_run_and_prompt(runs):
@@ -144,7 +144,7 @@ def ends_claim(runs: list[Record]) -> Claim:
     base, changed = changed_completions(runs)
     words = runs_scope(runs)
     return Claim("ends_text", ends_text(base, changed, words), covering(runs, words, "engine-outcome"),
-                 "spectie.guidance:ends_facts", ends_facts(runs))
+                 "spectie.book.guidance:ends_facts", ends_facts(runs))
 
 
 def stops_facts(runs: list[Record], threshold: float) -> dict:
@@ -205,7 +205,7 @@ def model_records(model: str, **match) -> list[Record]:
 def recorded_runs(model: str, environment: str) -> list[Record]:
     """The recorded vLLM runs of `model`'s weights in `environment`: one matrix run on one prompt (this host's where
     it made one). A record of another organism is never re-scored with this one."""
-    from spectie.reproduce_page import one_run
+    from spectie.book.reproduce_page import one_run
 
     return one_run(model_records(model, chapter="reproduce", kind="engine-outcome"), environment)
 
@@ -293,7 +293,7 @@ def run_facts(runs: list[Record]) -> dict:
 def changed_facts(runs: list[Record]) -> dict:
     """Over every matrix run and prompt seed in `runs`: which speculative configurations ran, which wrote other
     tokens than plain greedy on their first repeat, and the most distinct outputs over repeats (`changed_claim`)."""
-    from spectie.reproduce import by_run_and_prompt
+    from spectie.book.reproduce import by_run_and_prompt
 
     ran, changed = set(), set()
     for group in by_run_and_prompt(runs):
@@ -312,7 +312,7 @@ def changed_claim(runs: list[Record]) -> Claim:
     text = (f"in {words}, {len(changed)} of the {len(speculative_runs(runs))} speculative configurations that ran "
             f"wrote a different completion from plain greedy (plain greedy: {outcome(base) if base else '—'}; "
             f"{grouped_outcomes(changed) or 'none'}), {repeats}")
-    return Claim("changed_text", text, covering(runs, words, "engine-outcome"), "spectie.guidance:changed_facts",
+    return Claim("changed_text", text, covering(runs, words, "engine-outcome"), "spectie.book.guidance:changed_facts",
                  facts)
 
 
@@ -330,18 +330,18 @@ def determinism_claim(runs: list[Record]) -> Claim:
     text = (f"in {words}, at most {facts['distinct_max']} distinct output(s) over {facts['repeats_each']} repeats "
             f"per configuration: {verdict}")
     return Claim("determinism_text", text, covering(runs, words, "engine-outcome"),
-                 "spectie.guidance:determinism_facts", facts)
+                 "spectie.book.guidance:determinism_facts", facts)
 
 
 def rows_claim(runs: list[Record], rows: list[dict], model: str) -> Claim:
     """The data rows each run wrote against plain greedy's (`rows`: guidance_rows.row_counts), as a claim naming
     the runs."""
-    from spectie.guidance_rows import rows_facts, rows_text
+    from spectie.book.guidance_rows import rows_facts, rows_text
 
     baseline = baseline_run(runs)
     words = runs_scope(runs)
     text = f"in {words}, " + rows_text(rows, baseline and baseline.parameters.configuration)
-    return Claim("rows_text", text, covering(runs, words, "engine-outcome"), "spectie.guidance_rows:rows_facts",
+    return Claim("rows_text", text, covering(runs, words, "engine-outcome"), "spectie.book.guidance_rows:rows_facts",
                  rows_facts(runs, model), {"model": model})
 
 
@@ -401,7 +401,7 @@ def evidence_values(page: Page) -> dict:
     data rows (a table)."""
     import pandas as pd
 
-    from spectie import guidance_rows
+    from spectie.book import guidance_rows
     from spectie.model import resolve_model
     from spectie.records import load_records
 
@@ -421,7 +421,7 @@ def evidence_values(page: Page) -> dict:
         **run_facts(page.runs), **b200_facts(page.reported),
         **detected, "stops_text": Claim("stops_text", detected["stops_text"],
                                         covering(page.runs, words, "engine-outcome"),
-                                        "spectie.guidance:stops_facts", stops_facts(page.runs, page.tie_threshold),
+                                        "spectie.book.guidance:stops_facts", stops_facts(page.runs, page.tie_threshold),
                                         {"threshold": page.tie_threshold}),
         "detector_table": pd.DataFrame(detector).style.format(precision=3, na_rep="—")
         .format({"flagged": yes_no}, na_rep="—").hide(axis="index"),

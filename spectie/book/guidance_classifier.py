@@ -11,8 +11,8 @@ first page reads them).
 from __future__ import annotations
 
 from spectie import divergence, divergence_cases, divergence_verdicts
-from spectie.claims import Claim, covering
-from spectie.guidance import Page, changed_completions, model_records, plural, upstream_text, yes_no
+from spectie.book.claims import Claim, covering
+from spectie.book.guidance import Page, changed_completions, model_records, plural, upstream_text, yes_no
 from spectie.record_types import Record
 
 
@@ -168,7 +168,7 @@ def classifier_score_claim(record: Record) -> Claim:
     scored."""
     words = f"the labelled cases as scored on host {record.fingerprint.host_id}"
     return Claim("classifier_score", f"on {words}, {classifier_score_text(record.results.rows)}",
-                 covering([record], words, record.kind), "spectie.guidance_classifier:case_score_facts",
+                 covering([record], words, record.kind), "spectie.book.guidance_classifier:case_score_facts",
                  case_score_facts([record]))
 
 
@@ -194,7 +194,7 @@ def recorded_verdicts_text(rows: list[dict], widest_band: float) -> str:
 
 def gpu_runs(model: str) -> dict[str, list[Record]]:
     """The recorded vLLM runs of `model`'s weights on a GPU, every prompt, per environment (by vLLM release)."""
-    from spectie.release_findings import gpu_matrix_runs
+    from spectie.book.release_findings import gpu_matrix_runs
 
     runs = gpu_matrix_runs(model_records(model, chapter="reproduce", kind="engine-outcome"))
     return {environment: records for (environment, _), records in runs.items()}
@@ -241,7 +241,7 @@ def cases_values(page: Page, classify, ledger: dict) -> dict:
     from spectie.chapters import current_hash
     from spectie.fingerprint import now
     from spectie.model import resolve_model
-    from spectie.pages import bullets
+    from spectie.book.pages import bullets
     from spectie.thresholds import threshold_for_model
 
     labelled = divergence_cases.read_cases()
