@@ -1,7 +1,11 @@
 """The package reads in one look: the README's map names every module, imports flow one way, no function or module
 is long, and notebooks only narrate and glue."""
 
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 from spectie.chapters import _module_file, _spectie_imports
@@ -50,6 +54,26 @@ def test_imports_flow_one_way():
     cycles = [c for c in map(cycle_from, sorted(graph)) if c]
     assert not cycles, f"import cycles: {cycles[:3]}"
     assert _module_file(PACKAGE, "engines.runner") == PACKAGE / "engines" / "runner.py"
+
+
+def lint_imports(root: Path) -> subprocess.CompletedProcess:
+    """import-linter's contracts (pyproject.toml) over the package in `root`."""
+    return subprocess.run([str(Path(sys.prefix) / "bin" / "lint-imports"), "--no-cache"], cwd=root,
+                          env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=120)
+
+
+def test_the_import_contract_holds_and_breaks_when_a_module_below_the_book_imports_it(tmp_path):
+    """The layers as a contract (`lint-imports`, pinned): nothing below the book's layer imports it. A copy of the
+    package in which a tool (the fix ledger) imports a chapter page breaks it, naming the import."""
+    result = lint_imports(PACKAGE.parent)
+    assert result.returncode == 0 and "1 kept, 0 broken" in result.stdout, result.stdout + result.stderr
+    shutil.copytree(PACKAGE, tmp_path / "spectie", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(PACKAGE.parent / "pyproject.toml", tmp_path)
+    fixes = tmp_path / "spectie" / "fixes.py"
+    fixes.write_text(fixes.read_text() + "\nfrom spectie.book import pages  # noqa: E402\n")
+    result = lint_imports(tmp_path)
+    assert result.returncode == 1 and "Nothing below the book imports it BROKEN" in result.stdout, result.stdout
+    assert "spectie.fixes -> spectie.book.pages" in result.stdout, result.stdout
 
 
 NOTEBOOKS = PACKAGE.parent / "notebooks"
