@@ -386,10 +386,10 @@ def measurement_key(kind: str, model: str | None, arguments: dict, sources: tupl
     """What one measurement depends on, as a digest: its kind, the weights (their digest, not where they lie), its
     arguments, the versions of torch, transformers and vLLM, the files (relative to the project) whose code
     computes it, and the device it runs on (`device`: CPU model and ISA flags, GPU models; `on` gives a `hardware()`
-    other than `key_hardware()`, this machine's). A record of this host holding the same key is the same measurement: it is reused,
-    not made again (`records.recorded_measurement`); a record made on other hardware never is. Not in it, on
-    purpose: the notebook's prose and tables, and environments' descriptions, which change what a page shows, not
-    what was measured."""
+    other than `key_hardware()`, this machine's). A record of this host holding the same key is the same
+    measurement: it is reused, not made again (`records.recorded_measurement`); a record made on other hardware never
+    is. Not in it, on purpose: the notebook's prose and tables, and environments' descriptions, which change what a
+    page shows, not what was measured."""
     import json
 
     from spectie.paths import project_root
