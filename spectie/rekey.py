@@ -145,15 +145,19 @@ def measured_files(root: Path) -> list[Path]:
                    *root.glob("examples/requests/diagnosed/*/results/measured/*/*/*.json")])
 
 
+def hosts_hardware(root: Path) -> dict[str, dict]:
+    """Each host's hardware as the project's records name it (the book's and the diagnosed examples')."""
+    from spectie.fingerprint import recorded_hardware
+
+    return {host: found for results in (root / "results", *root.glob("examples/requests/diagnosed/*/results"))
+            for host, found in recorded_hardware(results).items()}
+
+
 def check(root: Path, save: Path | None = None, log=print) -> int:
     """Say, per status and kind, which stored keys today's code gives again; 1 where one differs."""
     from collections import Counter
 
-    from spectie.fingerprint import recorded_hardware
-
-    hardware = {**recorded_hardware(root / "results"),
-                **{h: hw for d in root.glob("examples/requests/diagnosed/*/results")
-                   for h, hw in recorded_hardware(d).items()}}
+    hardware = hosts_hardware(root)
     statuses = {path: recomputed(path, hardware)[0] for path in measured_files(root)}
     for (status, kind), count in sorted(Counter((s, json.loads(p.read_text()).get("kind"))
                                                 for p, s in statuses.items()).items()):
@@ -170,12 +174,9 @@ def check(root: Path, save: Path | None = None, log=print) -> int:
 
 def write(root: Path, listed: Path, log=print) -> int:
     """Store today's key in each record `listed` names (`check --save` before code moved); its results stay."""
-    from spectie.fingerprint import recorded_hardware
     from spectie.records import write_record
 
-    hardware = {**recorded_hardware(root / "results"),
-                **{h: hw for d in root.glob("examples/requests/diagnosed/*/results")
-                   for h, hw in recorded_hardware(d).items()}}
+    hardware = hosts_hardware(root)
     try:
         names = json.loads(listed.read_text())
     except (OSError, ValueError) as exc:
