@@ -153,11 +153,11 @@ def _hardware_of(fingerprint: dict) -> dict:
             "gpus": [[n, uuids[i] if i < len(uuids) else None] for i, n in enumerate(names)]}
 
 
-def same_device(fingerprint) -> bool:
+def same_device(fingerprint, on: dict | None = None) -> bool:
     """Whether a record's fingerprint names the device measurements are keyed by here (`key_hardware`: this
-    machine's): the same CPU model, ISA flags and GPU models (what a measurement's key holds, `device`; the GPUs
-    named as `environment_fingerprint` names them)."""
-    here = key_hardware()
+    machine's; `on` gives a `hardware()` other than it): the same CPU model, ISA flags and GPU models (what a
+    measurement's key holds, `device`; the GPUs named as `environment_fingerprint` names them)."""
+    here = on or key_hardware()
     gpu = gpu_label([name for name, _ in here["gpus"]])
     return fingerprint.cpu_flags is not None \
         and (fingerprint.cpu, list(fingerprint.cpu_flags), fingerprint.gpu) == (here["cpu"], here["cpu_flags"], gpu)

@@ -116,9 +116,12 @@ def recomputed(path: Path, hardware: dict[str, dict]) -> tuple[str, str | None]:
     """(status, today's key) of the record at `path`: "same" or "differs" where its key is recomputed, else why
     not ("no key", "kind not rebuilt", "host's hardware unknown", "computed by the engine environment's caller",
     "inputs missing: ..."). `hardware`: each host's, as its records name it (`fingerprint.recorded_hardware`)."""
+    return _recompute(json.loads(path.read_text()), path, hardware)
+
+
+def _recompute(record: dict, path: Path, hardware: dict[str, dict]) -> tuple[str, str | None]:
     from spectie.fingerprint import keyed_as
 
-    record = json.loads(path.read_text())
     parameters, fingerprint = record.get("parameters") or {}, record.get("fingerprint") or {}
     if "measurement_key" not in parameters:
         return "no key", None
@@ -158,9 +161,9 @@ def check(root: Path, save: Path | None = None, log=print) -> int:
     from collections import Counter
 
     hardware = hosts_hardware(root)
-    statuses = {path: recomputed(path, hardware)[0] for path in measured_files(root)}
-    for (status, kind), count in sorted(Counter((s, json.loads(p.read_text()).get("kind"))
-                                                for p, s in statuses.items()).items()):
+    records = {path: json.loads(path.read_text()) for path in measured_files(root)}
+    statuses = {path: _recompute(record, path, hardware)[0] for path, record in records.items()}
+    for (status, kind), count in sorted(Counter((s, records[p].get("kind")) for p, s in statuses.items()).items()):
         log(f"{count:4d}  {status}: {kind}")
     differing = [p for p, s in statuses.items() if s == "differs"]
     for path in differing:

@@ -36,14 +36,14 @@ def stand_in_host() -> str | None:
     host of this CPU's maker where there is one. None where this machine or its hardware has records. Under
     SPECTIE_OWN_RECORDS_ONLY=1 (`NEW_HOST=1 scripts/time_pipeline.sh`: this machine as hardware new to the records)
     a host of other hardware stands in, as it would on new hardware. The tests that need this hardware's own near
-    ties skip where the survey they read was made on other hardware (`measured_on_this_hardware`)."""
-    from spectie.fingerprint import STAND_IN, device, hardware, host_id, recorded_hardware
+    ties skip where the survey they read was made on other hardware (`made_on_other_hardware`)."""
+    from spectie.fingerprint import STAND_IN, device, hardware, recorded_hardware
     from spectie.records import OWN_RECORDS_ONLY
 
     if os.environ.get(STAND_IN):
         return os.environ[STAND_IN]
-    if any((ROOT / "results" / "measured" / f"cpu-{host_id()}" / "reproduce").glob("*.json")):
-        return None  # this machine's own measurements (its `make build`)
+    if own_records(ROOT, "reproduce/*.json"):
+        return None  # this machine's own measurements (its `make build`), or those of identical hardware
     as_new = os.environ.get(OWN_RECORDS_ONLY) == "1"
     here = device(hardware())
     hosts = {host: device(found) for host, found in recorded_hardware(ROOT / "results").items()
@@ -57,16 +57,15 @@ def stand_in_host() -> str | None:
     return others[0] if others else None
 
 
-if STAND_IN_HOST := stand_in_host():
-    os.environ["SPECTIE_STAND_IN_HOST"] = STAND_IN_HOST
+def made_on_other_hardware(survey) -> str | None:
+    """Why a test that serves this hardware's own near tie cannot, where the survey it reads was made on other
+    hardware (a stand-in's); None where the survey is this hardware's."""
+    from spectie.fingerprint import hardware, same_device
 
-
-def measured_on_this_hardware(record) -> bool:
-    """Whether `record` was made on this machine's CPU (its model and ISA flags), not on a stand-in's."""
-    from spectie.fingerprint import hardware
-
-    here = hardware()
-    return (record.fingerprint.cpu, record.fingerprint.cpu_flags) == (here["cpu"], here["cpu_flags"])
+    if same_device(survey.fingerprint, on=hardware()):
+        return None
+    return (f"the survey the tests read ({survey.id}) was made on other hardware ({survey.fingerprint.cpu}): "
+            "this machine's near ties are its own ('make build' measures its survey)")
 
 
 def own_records(root: Path, pattern: str) -> list[Path]:
@@ -80,6 +79,10 @@ def own_records(root: Path, pattern: str) -> list[Path]:
         for path in (root / "results" / "measured" / f"cpu-{host}").glob(pattern):
             found.setdefault(path.name.replace(host, "<host>"), path)
     return sorted(found.values(), key=lambda path: path.name)
+
+
+if STAND_IN_HOST := stand_in_host():
+    os.environ["SPECTIE_STAND_IN_HOST"] = STAND_IN_HOST
 
 
 def this_hosts_records(request, pattern: str) -> list[Path]:

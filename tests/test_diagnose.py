@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from conftest import HAS_VLLM, measured_on_this_hardware, run_cli, survey_near_tie, this_hosts_survey
+from conftest import HAS_VLLM, made_on_other_hardware, run_cli, survey_near_tie, this_hosts_survey
 from spectie.diagnose import make_diagnosis, page_name, read_request, request_label, request_matrix
 from spectie.engines.matrix import read_matrix
 from spectie.errors import UsageError
@@ -98,9 +98,8 @@ def test_this_hosts_near_tie_is_diagnosed_end_to_end_through_vllm(request, tmp_p
     from test_served import organism_prompt
 
     record = this_hosts_survey(request)
-    if not measured_on_this_hardware(record):
-        pytest.skip(f"the survey the tests read ({record.id}) was made on other hardware ({record.fingerprint.cpu}): "
-                    "this machine's near ties are its own ('make build' measures its survey)")
+    if why_not := made_on_other_hardware(record):
+        pytest.skip(why_not)
     found = survey_near_tie(record, detector_threshold_for_model(resolve_model("organism"))[0])
     if found is None:
         pytest.skip(f"this host's survey ({record.id}) has no near-tie end-of-text stop")

@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from conftest import HAS_VLLM, ROOT, measured_on_this_hardware, run_cli, survey_near_tie, this_hosts_survey
+from conftest import HAS_VLLM, ROOT, made_on_other_hardware, run_cli, survey_near_tie, this_hosts_survey
 from spectie import guard, tiestop
 from spectie.guard_measure import SPECULATIVE, free_port, serve_command, wait_until_up
 from spectie.model import resolve_model
@@ -61,14 +61,13 @@ def started_servers(logs, configurations: dict):
 def tie(request):
     """This host's near-tie stop from its survey (conftest.survey_near_tie) at the guard's own threshold for the
     organism: (why there is none, (configuration, prompt, the stop, the threshold)), the second None where this
-    host's survey has none or was made on other hardware (a stand-in's: conftest.stand_in_host)."""
+    host's survey has none or was made on other hardware (conftest.made_on_other_hardware)."""
     from spectie.thresholds import detector_threshold_for_model
 
     threshold = detector_threshold_for_model(resolve_model("organism"))[0]
     record = this_hosts_survey(request)
-    if not measured_on_this_hardware(record):
-        return (f"the survey the tests read ({record.id}) was made on other hardware ({record.fingerprint.cpu}): "
-                "this machine's near ties are its own ('make build' measures its survey)"), None
+    if why_not := made_on_other_hardware(record):
+        return why_not, None
     found = survey_near_tie(record, threshold)
     if found is None:
         return (f"this host's survey ({record.id}) has no stop on end-of-text within the guard's threshold: no "

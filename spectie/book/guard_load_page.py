@@ -158,8 +158,8 @@ def load_sentence(device: str, records: list[Record], others: list[Record] = ())
                 "no plain greedy answer was recorded there, so no stop is compared with plain greedy's"))
     by_cache = cache_effect(records)
     if by_cache is not None:
-        compared = and_list(sorted(s for s, caches in answered_runs(records).items() if len(caches) == 2))
-        text += (f"; with prefix caching on, {by_cache[0]} of {by_cache[1]} one-at-a-time answers ({compared}) "
+        both_ways = and_list(sorted(s for s, caches in answered_runs(records).items() if len(caches) == 2))
+        text += (f"; with prefix caching on, {by_cache[0]} of {by_cache[1]} one-at-a-time answers ({both_ways}) "
                  "differed from the same server's with it off")
     missing = not_run(records, others)
     return f"{text}; {missing}" if missing else text
@@ -349,7 +349,6 @@ def load_facts(records: list[Record]) -> dict:
     says nothing about the guard, and the guidance chapter keeps its error), and whether a GPU answered under it."""
     loads = [r for r in records if r.kind == KIND]
     devices = by_device(loads)
-
     measured = {_hardware(rs[0]) for rs in devices.values() if answered(rs)}
     return {"devices": {device: device_totals(rs) if answered(rs) else {"nothing": nothing_measured(rs)}
                         for device, rs in devices.items() if answered(rs) or _hardware(rs[0]) not in measured},
