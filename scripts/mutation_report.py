@@ -3,7 +3,7 @@
     python scripts/mutation_report.py --scope   # the mutant names `mutmut run` is given (the scope below)
     python scripts/mutation_report.py           # per module: killed / total, percent, and every survivor
 
-The scope: the detector (spectie/tiestop.py), its thresholds, the fix ledger, all of each; of the divergence
+The scope: the detector (spectie/tools/tiestop.py), its thresholds, the fix ledger, all of each; of the divergence
 classifier its judgement (the verdict from the margins and gaps; the rest loads the model), of the guard its stop and
 resume decisions (the rest talks to the server or renders the response). mutmut keeps each mutant's exit code in
 mutants/spectie/<module>.py.meta; a mutant that makes the tests time out counts as killed.
@@ -28,13 +28,13 @@ SCOPE = {  # module -> the functions mutated (mutmut's names: x_<function>, xǁ<
 _IS_EOS = "the last token is one of guard.stops.ids there (checked just above): check's end-of-text test passes"
 _NO_REASON = "part.stop_reason is None there (near_tie_stop returned earlier otherwise)"
 EQUIVALENT = {
-    "spectie.guard.x_near_tie_stop__mutmut_15": _IS_EOS + " with the stops or without (None)",
-    "spectie.guard.x_near_tie_stop__mutmut_18": _IS_EOS + " with the stops or without (omitted)",
-    "spectie.guard.x_near_tie_stop__mutmut_22": _NO_REASON,
-    "spectie.guard.x_near_tie_stop__mutmut_26": _NO_REASON,
-    "spectie.guard.x__continuation__mutmut_16": "_extras tells only CHAT apart: None and COMPLETIONS ask for the same",
-    "spectie.tiestop.x_runner_up__mutmut_6": 'float("NAN") is the same NaN as float("nan")',
-    "spectie.tiestop.xǁEndOfTextǁmatches__mutmut_4": "a stop_reason that is no integer, added to the ids, matches no "
+    "spectie.tools.guard.x_near_tie_stop__mutmut_15": _IS_EOS + " with the stops or without (None)",
+    "spectie.tools.guard.x_near_tie_stop__mutmut_18": _IS_EOS + " with the stops or without (omitted)",
+    "spectie.tools.guard.x_near_tie_stop__mutmut_22": _NO_REASON,
+    "spectie.tools.guard.x_near_tie_stop__mutmut_26": _NO_REASON,
+    "spectie.tools.guard.x__continuation__mutmut_16": "_extras tells only CHAT apart: None and COMPLETIONS ask for the same",
+    "spectie.tools.tiestop.x_runner_up__mutmut_6": 'float("NAN") is the same NaN as float("nan")',
+    "spectie.tools.tiestop.xǁEndOfTextǁmatches__mutmut_4": "a stop_reason that is no integer, added to the ids, matches no "
                                                      "token id (only integers are looked up in them)",
 }
 KILLED, SURVIVED = {1, 3, 24, -24, 36, 152, 255}, {0}  # pytest's failure codes and mutmut's timeouts; tests passed
@@ -48,7 +48,7 @@ def scope_patterns() -> list[str]:
 
 
 def in_scope(mutant: str) -> bool:
-    """Is a mutant ("spectie.guard.x_complete__mutmut_12") one of a function in scope?"""
+    """Is a mutant ("spectie.tools.guard.x_complete__mutmut_12") one of a function in scope?"""
     module, function = mutant.removeprefix("spectie.").rsplit("__mutmut_", 1)[0].split(".", 1)
     return "*" in SCOPE.get(module, []) or function in SCOPE.get(module, [])
 

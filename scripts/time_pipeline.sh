@@ -30,7 +30,7 @@ if [ -n "${NEW_HOST:-}" ] && [ -z "${TIME_PIPELINE_NEW_HOST:-}" ]; then
     'mount --bind "$0" /etc/machine-id && exec bash "$1" "${@:2}"' "$id_file" "$0" "$@" || status=$?
   # The figures as a record of this machine (its own host id: outside the namespace), shown by the book's
   # execution appendix.
-  (cd "$source_tree" && .venv/bin/python -m spectie.timings record "${1:-/tmp/spectie-timings}" --new-host \
+  (cd "$source_tree" && .venv/bin/python -m spectie.book.timings record "${1:-/tmp/spectie-timings}" --new-host \
     $([ "$NEW_HOST" = twin ] && echo --hardware-known)) || status=$?
   exit $status
 fi

@@ -12,13 +12,13 @@ import os
 import sys
 from pathlib import Path
 
-from spectie.errors import UsageError
+from spectie.records.errors import UsageError
 
 
 def _input_problems(results_dir=None) -> list[str]:
     """Every broken record, duplicated id, or record naming an unknown environment."""
-    from spectie.environments import check_record_environments, load_environments
-    from spectie.records import check_records
+    from spectie.records.environments import check_record_environments, load_environments
+    from spectie.records.store import check_records
 
     load_environments()  # raises on a malformed environment file
     records, problems = check_records(results_dir)
@@ -33,8 +33,8 @@ def _check_inputs() -> None:
 
 
 def _cmd_build(args) -> int:
-    from spectie.chapters import build_stale
-    from spectie.fingerprint import ENTRY_VARIABLE
+    from spectie.book.run import build_stale
+    from spectie.records.fingerprint import ENTRY_VARIABLE
 
     _check_inputs()
     os.environ[ENTRY_VARIABLE] = "spectie build (make build)"
@@ -46,11 +46,11 @@ def _cmd_build(args) -> int:
 def _cmd_run(args) -> int:
     """Check the host against the environment, then execute the chapter. SPECTIE_STRICT_HOST=1 makes the
     host check strict: a driver other than the one the environment names is refused, not just recorded."""
-    from spectie.chapters import execute, get_chapter, load_parameters, notebook_parameters
-    from spectie import host
-    from spectie.environments import get_environment
-    from spectie.fingerprint import ENTRY_VARIABLE, host_id
-    from spectie.paths import project_root
+    from spectie.book.run import execute, get_chapter, load_parameters, notebook_parameters
+    from spectie.lab import host
+    from spectie.records.environments import get_environment
+    from spectie.records.fingerprint import ENTRY_VARIABLE, host_id
+    from spectie.records.paths import project_root
 
     chapter = get_chapter(args.chapter)
     overrides = dict(args.set or [])
@@ -76,7 +76,7 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_diagnose(args) -> int:
-    from spectie.diagnose import write_page
+    from spectie.book.diagnose import write_page
 
     write_page(args.request, args.model, args.env, line=args.line, repeats=args.repeats, device=args.device,
                name=args.name)
@@ -95,7 +95,7 @@ def _cmd_venv(args) -> int:
 def _cmd_stale(args) -> int:
     """Each chapter, in build order: up to date, or stale and why (its new, changed or gone inputs). A chapter
     that an earlier stale one writes records for may turn stale only once that one has run."""
-    from spectie.chapters import CHAPTERS, reasons_text, stale_reasons
+    from spectie.book.run import CHAPTERS, reasons_text, stale_reasons
 
     for chapter in CHAPTERS.values():
         reasons = stale_reasons(chapter)
@@ -105,8 +105,8 @@ def _cmd_stale(args) -> int:
 
 
 def _cmd_check(args) -> int:
-    from spectie.paths import project_root
-    from spectie.records import record_paths
+    from spectie.records.paths import project_root
+    from spectie.records.store import record_paths
 
     found = record_paths(args.results_dir)
     if not found:  # a check that checked nothing has not passed
@@ -122,8 +122,8 @@ def _cmd_check(args) -> int:
 
 
 def _cmd_list(args) -> int:
-    from spectie.chapters import CHAPTERS
-    from spectie.environments import load_environments
+    from spectie.records.chapters import CHAPTERS
+    from spectie.records.environments import load_environments
 
     print("chapters:")
     for chapter in CHAPTERS.values():
@@ -137,15 +137,15 @@ def _cmd_list(args) -> int:
 def _cmd_tiestop(args) -> int:
     import json
 
-    from spectie import thresholds, tiestop
-    from spectie.model import resolve_model
+    from spectie.tools import thresholds, tiestop
+    from spectie.lab.model import resolve_model
 
     if not args.files and not args.record:
         raise UsageError("give JSONL files of responses, or --record <reproduction record>")
     completions = [c for path in args.files for c in tiestop.read_jsonl(path)]  # bad files fail first
     device = None
     if args.record:
-        from spectie.records import read_record
+        from spectie.records.store import read_record
 
         record = read_record(args.record)
         completions += tiestop.from_record(record)
@@ -181,8 +181,8 @@ def _cmd_tiestop(args) -> int:
 def _cmd_classify(args) -> int:
     import json
 
-    from spectie import divergence
-    from spectie.records import read_record
+    from spectie.tools import divergence
+    from spectie.records.store import read_record
 
     if args.record:
         pair = divergence.pair_from_records(read_record(args.record), divergence.baseline_record(args.record),
@@ -206,7 +206,7 @@ def _cmd_classify(args) -> int:
 
 def _cmd_guard(args) -> int:
     """`guard run`: a batch of requests through the guard, responses to stdout or --out; `guard serve`: the proxy."""
-    from spectie import guard, guard_proxy
+    from spectie.tools import guard, guard_proxy
 
     if args.action == "run":
         requests = guard_proxy.read_requests(args.requests)  # every line checked before anything is sent
@@ -231,7 +231,7 @@ def _cmd_guard(args) -> int:
 def _cmd_fixes(args) -> int:
     import json
 
-    from spectie import fixes
+    from spectie.tools import fixes
 
     if args.vllm is not None:
         version, distribution = fixes.release_of(args.vllm), "vllm"  # an empty or malformed version is refused

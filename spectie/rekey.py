@@ -23,7 +23,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from spectie.errors import UsageError
+from spectie.records.errors import UsageError
 
 MARGINS_KINDS = ("designed-decisions", "flip-curve", "logit-comparison", "margin-scan")
 
@@ -44,9 +44,9 @@ def _engine_outcome(record: dict, path: Path):
 
 
 def _survey(record: dict, path: Path):
-    from spectie import survey
-    from spectie.fingerprint import measurement_key
-    from spectie.model import resolve_model
+    from spectie.engines import survey
+    from spectie.records.fingerprint import measurement_key
+    from spectie.lab.model import resolve_model
 
     p = record["parameters"]
     arguments = {"prompts": p["prompts"], "configurations": p["configurations"], "model_label": p["model"],
@@ -55,19 +55,19 @@ def _survey(record: dict, path: Path):
 
 
 def _injection(record: dict, path: Path):
-    from spectie.fingerprint import measurement_key
-    from spectie.model import resolve_model
+    from spectie.records.fingerprint import measurement_key
+    from spectie.lab.model import resolve_model
 
     p = record["parameters"]
     arguments = {"prompts": p["prompts"], "new_tokens": p["new_tokens"], "dtype": p["dtype"], "model_label": p["model"]}
-    sources = ("spectie/survey.py", "spectie/prompts.py", "spectie/model.py")  # as survey.run_injection names them
+    sources = ("spectie/engines/survey.py", "spectie/lab/prompts.py", "spectie/lab/model.py")  # as survey.run_injection names them
     return lambda: measurement_key("tiestop-injection", str(resolve_model(p["model"])), arguments, sources)
 
 
 def _guard_survey(record: dict, path: Path):
-    from spectie import guard_measure
-    from spectie.fingerprint import measurement_key
-    from spectie.model import resolve_model
+    from spectie.engines import guard_measure
+    from spectie.records.fingerprint import measurement_key
+    from spectie.lab.model import resolve_model
 
     p = record["parameters"]
     arguments = {"prompts": p["prompts"], "max_tokens": p["max_tokens"], "speculative": guard_measure.SPECULATIVE,
@@ -78,10 +78,10 @@ def _guard_survey(record: dict, path: Path):
 
 def _margins(record: dict, path: Path):
     """The chapter's four records share one key: the flip curve's and the designed decisions' parameters hold it."""
-    from spectie import margins
-    from spectie.fingerprint import measurement_key
-    from spectie.model import resolve_model
-    from spectie.prompts import prompt_set
+    from spectie.lab import margins
+    from spectie.records.fingerprint import measurement_key
+    from spectie.lab.model import resolve_model
+    from spectie.lab.prompts import prompt_set
 
     host, environment = record["fingerprint"]["host_id"], record["environments"][0]
     sibling = lambda name: json.loads((path.parent / f"margins-{environment}-{name}-{host}.json").read_text())  # noqa: E731
@@ -99,8 +99,8 @@ def _margins(record: dict, path: Path):
 
 
 def _reduction(record: dict, path: Path):
-    from spectie import reduction_order
-    from spectie.fingerprint import measurement_key
+    from spectie.lab import reduction_order
+    from spectie.records.fingerprint import measurement_key
 
     p = record["parameters"]
     arguments = {k: p[k] for k in ("model", "device", "dtypes", "shapes", "kernels", "tf32", "prompt_tokens",
@@ -120,7 +120,7 @@ def recomputed(path: Path, hardware: dict[str, dict]) -> tuple[str, str | None]:
 
 
 def _recompute(record: dict, path: Path, hardware: dict[str, dict]) -> tuple[str, str | None]:
-    from spectie.fingerprint import keyed_as
+    from spectie.records.fingerprint import keyed_as
 
     parameters, fingerprint = record.get("parameters") or {}, record.get("fingerprint") or {}
     if "measurement_key" not in parameters:
@@ -150,7 +150,7 @@ def measured_files(root: Path) -> list[Path]:
 
 def hosts_hardware(root: Path) -> dict[str, dict]:
     """Each host's hardware as the project's records name it (the book's and the diagnosed examples')."""
-    from spectie.fingerprint import recorded_hardware
+    from spectie.records.fingerprint import recorded_hardware
 
     return {host: found for results in (root / "results", *root.glob("examples/requests/diagnosed/*/results"))
             for host, found in recorded_hardware(results).items()}
@@ -177,7 +177,7 @@ def check(root: Path, save: Path | None = None, log=print) -> int:
 
 def write(root: Path, listed: Path, log=print) -> int:
     """Store today's key in each record `listed` names (`check --save` before code moved); its results stay."""
-    from spectie.records import write_record
+    from spectie.records.store import write_record
 
     hardware = hosts_hardware(root)
     try:
@@ -200,7 +200,7 @@ def write(root: Path, listed: Path, log=print) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from spectie.paths import project_root
+    from spectie.records.paths import project_root
 
     parser = argparse.ArgumentParser(prog="python -m spectie.rekey", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)

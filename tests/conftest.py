@@ -37,8 +37,8 @@ def stand_in_host() -> str | None:
     SPECTIE_OWN_RECORDS_ONLY=1 (`NEW_HOST=1 scripts/time_pipeline.sh`: this machine as hardware new to the records)
     a host of other hardware stands in, as it would on new hardware. The tests that need this hardware's own near
     ties skip where the survey they read was made on other hardware (`made_on_other_hardware`)."""
-    from spectie.fingerprint import STAND_IN, device, hardware, recorded_hardware
-    from spectie.records import OWN_RECORDS_ONLY
+    from spectie.records.fingerprint import STAND_IN, device, hardware, recorded_hardware
+    from spectie.records.store import OWN_RECORDS_ONLY
 
     if os.environ.get(STAND_IN):
         return os.environ[STAND_IN]
@@ -60,7 +60,7 @@ def stand_in_host() -> str | None:
 def made_on_other_hardware(survey) -> str | None:
     """Why a test that serves this hardware's own near tie cannot, where the survey it reads was made on other
     hardware (a stand-in's); None where the survey is this hardware's."""
-    from spectie.fingerprint import hardware, same_device
+    from spectie.records.fingerprint import hardware, same_device
 
     if same_device(survey.fingerprint, on=hardware()):
         return None
@@ -72,7 +72,7 @@ def own_records(root: Path, pattern: str) -> list[Path]:
     """The record files matching `pattern` inside a host's folder of the cpu environment ("margins/*.json") that
     stand for this machine in `root`'s results: each record as this host has it, else as the first host of identical
     hardware has it, whose record a build here reuses instead of measuring again (`records.standing_hosts`)."""
-    from spectie.records import standing_hosts
+    from spectie.records.store import standing_hosts
 
     found: dict[str, Path] = {}
     for host in standing_hosts("cpu", root / "results"):
@@ -95,7 +95,7 @@ def this_hosts_records(request, pattern: str) -> list[Path]:
 
 def this_hosts_survey(request):
     """This host's tie-stop survey record (vLLM's CPU build on the organism, plain and MTP)."""
-    from spectie.records import read_record
+    from spectie.records.store import read_record
 
     [path] = this_hosts_records(request, "guidance/tiestop-survey-cpu-*.json")
     return read_record(path)
@@ -128,8 +128,8 @@ def reported_record():
 
 @pytest.fixture
 def measured_record():
-    from spectie.fingerprint import now
-    from spectie.records import measured_record
+    from spectie.records.fingerprint import now
+    from spectie.records.store import measured_record
 
     return measured_record(  # a valid measured record as it is written (a dict): a margin scan made on this host
         record_id="test-measured", kind="margin-scan", chapter="incident", title="a test record",
@@ -141,7 +141,7 @@ def measured_record():
 
 def typed(record: dict):
     """A test's partial record (the fields the code under test reads) as a Record: the rest filled in."""
-    from spectie.record_types import Record
+    from spectie.records.record_types import Record
 
     return Record.from_dict({"schema_version": 1, "id": "a-test-record", "provenance": "measured",
                              "kind": "engine-outcome", "chapter": "reproduce", "title": "a test record",

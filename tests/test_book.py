@@ -8,9 +8,9 @@ from pathlib import Path
 
 from conftest import ROOT, make, own_records, stale_chapters
 from spectie import rekey
-from spectie.fingerprint import host_id, key_hardware
-from spectie.organism import pinned_digest
-from spectie.records import read_record
+from spectie.records.fingerprint import host_id, key_hardware
+from spectie.lab.organism import pinned_digest
+from spectie.records.store import read_record
 
 
 def _text(html_file: Path) -> str:

@@ -5,9 +5,9 @@ import json
 import nbformat
 import pytest
 
-from spectie.chapters import (CHAPTERS, content_hash, executed_path, get_chapter, is_stale, load_parameters,
-                              stale_reasons, stored_hash)
-from spectie.errors import UsageError
+from spectie.book.run import executed_path, is_stale, stale_reasons, stored_hash
+from spectie.records.chapters import CHAPTERS, content_hash, get_chapter, load_parameters
+from spectie.records.errors import UsageError
 
 
 def test_an_unknown_chapter_lists_the_valid_ones():
@@ -67,17 +67,17 @@ def test_the_content_hash_follows_every_input(project_copy):
 def test_a_chapter_hashes_only_the_modules_it_uses_and_the_library_versions(project_copy, monkeypatch):
     """Editing the plots leaves the vLLM matrix up to date (it does not draw), not the margins chapter; a
     new torch version makes every chapter that computes stale."""
-    from spectie import chapters
+    from spectie.records import chapters
 
     reproduce, margins = get_chapter("reproduce"), get_chapter("margins")
     assert "plots.py" not in {p.name for p in chapters.used_modules(reproduce)}
     engines = {p.relative_to(project_copy).as_posix() for p in chapters.used_modules(reproduce)}
     assert {"spectie/engines/__init__.py", "spectie/engines/runner.py", "spectie/engines/child.py",
-            "spectie/engines/matrix.py", "spectie/book/reproduce.py", "spectie/model.py"} <= engines
-    assert chapters._spectie_imports("from spectie.engines import runner\nimport spectie.model\n"
-                                     "from spectie.records import load_records") == \
-        {"engines", "engines.runner", "model", "records", "records.load_records"}
-    assert {"margins.py", "plots.py", "records.py"} <= {p.name for p in chapters.used_modules(margins)}
+            "spectie/engines/matrix.py", "spectie/book/reproduce.py", "spectie/lab/model.py"} <= engines
+    assert chapters._spectie_imports("from spectie.engines import runner\nimport spectie.lab.model\n"
+                                     "from spectie.records.store import load_records") == \
+        {"engines", "engines.runner", "lab", "lab.model", "records", "records.store", "records.store.load_records"}
+    assert {"margins.py", "plots.py", "store.py"} <= {p.name for p in chapters.used_modules(margins)}
     before = content_hash(reproduce, {}), content_hash(margins, {})
     plots = project_copy / "spectie" / "book" / "plots.py"
     plots.write_text(plots.read_text() + "\n# edited\n")
@@ -92,7 +92,7 @@ def test_a_chapter_hashes_only_the_modules_it_uses_and_the_library_versions(proj
 def test_a_runs_own_records_are_not_its_inputs(project_copy):
     """`make run ENV=...` writes records under its environment's folder: they must not change the hash its
     request keys hold, or an interrupted run can never resume (each call re-ran everything on the H200)."""
-    from spectie.chapters import own_records_dir
+    from spectie.records.chapters import own_records_dir
 
     chapter, parameters = get_chapter("reproduce"), {"environment": "v0.26.0-h200"}
     base, build_base = content_hash(chapter, parameters), content_hash(chapter, {})
@@ -122,7 +122,7 @@ def test_staleness_is_read_from_the_executed_copy(project_copy):
 def test_a_chapter_is_not_stale_after_writing_its_own_records(project_copy):
     """The margins chapter reads every record (to list other hosts' runs) but its own records on this
     host are outputs: writing them does not make it stale; another host's new record does."""
-    from spectie.fingerprint import host_id
+    from spectie.records.fingerprint import host_id
 
     chapter = get_chapter("margins")
     before = content_hash(chapter, {})
@@ -145,8 +145,8 @@ def test_a_chapter_is_not_stale_after_writing_its_own_records(project_copy):
 def test_the_diagnosis_is_not_stale_after_writing_its_records_into_its_own_results_folder(project_copy):
     """The diagnosis appendix writes its engines' records (chapter folder `reproduce`) under its own results folder:
     on a host new to the records a second build executed it again. Another host's diagnosis is still an input."""
-    from spectie.chapters import notebook_parameters
-    from spectie.fingerprint import host_id
+    from spectie.records.chapters import notebook_parameters
+    from spectie.records.fingerprint import host_id
 
     chapter = get_chapter("diagnose")
     assert chapter.results_dir == notebook_parameters(chapter)["results_dir"]
@@ -188,8 +188,8 @@ def test_an_environment_file_is_an_input_only_of_the_chapters_that_read_it(proje
 def test_every_incident_environment_is_named_by_a_reported_record():
     """What makes "named" environments enough: chapters read the incident's environments (their releases and
     titles) through the reported records that name them."""
-    from spectie.environments import load_environments
-    from spectie.records import load_records
+    from spectie.records.environments import load_environments
+    from spectie.records.store import load_records
 
     named = {e for r in load_records(provenance="reported") for e in r.environments}
     incident = {e for e, env in load_environments().items() if env["named_in_incident"]}
@@ -214,7 +214,7 @@ def test_stale_reasons_name_the_inputs_that_changed(project_copy):
     assert stale_reasons(chapter) == ["no executed copy yet"]
     copy = executed_path(chapter)
     copy.parent.mkdir(parents=True)
-    from spectie.chapters import input_digests
+    from spectie.records.chapters import input_digests
 
     notebook = nbformat.v4.new_notebook()
     notebook.metadata["spectie"] = {"content_hash": content_hash(chapter, {}), "inputs": input_digests(chapter, {})}

@@ -6,8 +6,8 @@ import copy
 import pytest
 
 from spectie.book.claims import Claim, Scope, claims_in
-from spectie.record_types import Record
-from spectie.records import load_records, read_stored
+from spectie.records.record_types import Record
+from spectie.records.store import load_records, read_stored
 
 # The sentences that state counts, absences or comparisons over runs, as claims, by chapter.
 CLAIMED = {"guidance": {"ends_text", "stops_text", "survey_stops_text", "survey_fp_text", "guard_text", "rows_text",
@@ -65,7 +65,7 @@ def _gpu_runs(root, records: list[Record]) -> list[Record]:
 def _bug_verdict(root) -> Record:
     """The classifier's verdict record on that run: its MTP divergence a suspected bug (made from one of the
     build's verdict records on a GPU release)."""
-    from spectie.divergence import Verdict
+    from spectie.tools.divergence import Verdict
 
     path = sorted((root / "results" / "measured").glob("*/guidance/divergence-verdicts-v0.32.0-h100-*.json"))[0]
     stored = read_stored(path)

@@ -270,7 +270,7 @@ def test_the_projects_other_command_lines_refuse_bad_input_in_one_line(tmp_path,
     import torch
 
     from conftest import run_main
-    from spectie import bench, qwen_shapes
+    from spectie.lab import bench, qwen_shapes
 
     (tmp_path / "empty").mkdir()
     (tmp_path / "dump.json").write_text("{not json")
@@ -309,16 +309,16 @@ def test_guard_run_and_serve_refuse_bad_input_in_one_line_before_any_request(tmp
 
 
 def test_the_organism_and_case_builder_command_lines_refuse_bad_input_in_one_line(tmp_path):
-    """`python -m spectie.organism pin` a folder that is not there, and `python -m spectie.divergence_cases` with
+    """`python -m spectie.lab.organism pin` a folder that is not there, and `python -m spectie.tools.divergence_cases` with
     anything but `build`: exit 2, one line on stderr (the organism's command line runs as a process: it has no
     main())."""
     import subprocess
     import sys
 
     from conftest import run_main
-    from spectie import divergence_cases
+    from spectie.tools import divergence_cases
 
-    pin = subprocess.run([sys.executable, "-m", "spectie.organism", "pin", str(tmp_path / "nowhere")], cwd=ROOT,
+    pin = subprocess.run([sys.executable, "-m", "spectie.lab.organism", "pin", str(tmp_path / "nowhere")], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert_bad_input(pin.returncode, pin.stderr, "organism pin")
     assert "nowhere" in pin.stderr
@@ -328,11 +328,11 @@ def test_the_organism_and_case_builder_command_lines_refuse_bad_input_in_one_lin
 
 
 def test_the_wheelhouse_refuses_bad_input_in_one_line_before_any_download(tmp_path):
-    """`python -m spectie.wheelhouse`: an unknown environment, the CPU build's environment (nothing to carry to a GPU
+    """`python -m spectie.engines.wheelhouse`: an unknown environment, the CPU build's environment (nothing to carry to a GPU
     host), a Python that is not major.minor, parts under 1 MiB, an environment that pins a vLLM commit: exit 2, one
     line, and nothing written (no download started)."""
     from conftest import run_main
-    from spectie import wheelhouse
+    from spectie.engines import wheelhouse
 
     out = str(tmp_path / "out")
     cases = [("no-such-env", out), ("cpu", out), ("v0.32.0-h100", out, "--python", "2.x"),

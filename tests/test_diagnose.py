@@ -7,9 +7,9 @@ import re
 import pytest
 
 from conftest import HAS_VLLM, made_on_other_hardware, run_cli, survey_near_tie, this_hosts_survey
-from spectie.diagnose import make_diagnosis, page_name, read_request, request_label, request_matrix
+from spectie.book.diagnose import make_diagnosis, page_name, read_request, request_label, request_matrix
 from spectie.engines.matrix import read_matrix
-from spectie.errors import UsageError
+from spectie.records.errors import UsageError
 
 
 def _file(tmp_path, body, name="request.json") -> str:
@@ -59,7 +59,7 @@ def test_a_missing_file_or_line_is_refused(tmp_path):
 
 
 def test_the_requests_own_speculative_config_runs_beside_plain_greedy_with_its_max_tokens():
-    from spectie.diagnose import Request
+    from spectie.book.diagnose import Request
 
     cpu = read_matrix("cpu")
     own = request_matrix(cpu, Request("r", prompt="x", max_tokens=7,
@@ -92,9 +92,9 @@ def test_this_hosts_near_tie_is_diagnosed_end_to_end_through_vllm(request, tmp_p
     """This host's survey (vLLM's CPU build on the organism) recorded a near-tie end-of-text stop; the same prompt
     given as a request is run through vLLM again, plain greedy beside the configuration that stopped, and the page
     says what the survey saw: which of them stops, and a near-tie."""
-    from spectie.diagnose import write_page
-    from spectie.thresholds import detector_threshold_for_model
-    from spectie.model import resolve_model
+    from spectie.book.diagnose import write_page
+    from spectie.tools.thresholds import detector_threshold_for_model
+    from spectie.lab.model import resolve_model
     from test_served import organism_prompt
 
     record = this_hosts_survey(request)
@@ -152,7 +152,7 @@ def test_a_suspected_bug_is_laid_on_speculation_only_where_its_own_tokens_leave_
     """The classifier flags a pair whose plain greedy side alone trails fp32's top-1 by more than the band (a knife
     edge of this host's bf16 decoding): the advice says so, and does not tell the operator to drop speculation."""
     from spectie.book import diagnose_page
-    from spectie.divergence import Divergence, Verdict
+    from spectie.tools.divergence import Divergence, Verdict
 
     def flagged(outside_a, outside_b, margin=0.009):
         return Divergence(Verdict.BUG, 84, 1, 2, "4", "1", margin, 0.0, "4", 1, 2, outside_a, outside_b, 0.107,
@@ -171,7 +171,7 @@ def test_the_same_requests_diagnoses_elsewhere_are_read_from_the_committed_recor
     """The page shows, beside its own verdict, every other committed diagnosis of the same request: the H100's of
     seed 1 (vLLM 0.32.0) stopped with MTP K=1 in every repeat after 11 tokens, plain greedy in none. A run's own
     records are not 'elsewhere', and a request nobody diagnosed has nothing there."""
-    from spectie.diagnose import diagnosed_elsewhere
+    from spectie.book.diagnose import diagnosed_elsewhere
     from spectie.book.diagnose_page import elsewhere_values
 
     found = diagnosed_elsewhere("examples/requests/incident-seed-1.json", [])

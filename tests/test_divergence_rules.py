@@ -4,8 +4,8 @@ the other went on, and the token-id check. The expected strings and verdicts are
 
 import pytest
 
-from spectie.divergence import Verdict, check_tokens, gaps, judge, stop_where_other_goes_on, trailing
-from spectie.errors import UsageError
+from spectie.tools.divergence import Verdict, check_tokens, gaps, judge, stop_where_other_goes_on, trailing
+from spectie.records.errors import UsageError
 
 EOS = 248044
 

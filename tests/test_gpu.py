@@ -22,9 +22,9 @@ GPU_ENVIRONMENT = "v0.26.0-h200"
 
 @pytest.fixture(scope="module")
 def organism():
-    from spectie.model import resolve_model
-    from spectie.prompts import PromptSpec, build_prompt
-    from spectie.tokenizer import model_tokenizer
+    from spectie.lab.model import resolve_model
+    from spectie.lab.prompts import PromptSpec, build_prompt
+    from spectie.lab.tokenizer import model_tokenizer
 
     path = resolve_model("organism")
     prompt = build_prompt(PromptSpec(tokens=1845, seed=0).check(), model_tokenizer(str(path)))
@@ -33,8 +33,8 @@ def organism():
 
 def decision_logits(path, prompt, dtype, device, kernels="torch"):
     """Logits of the designed decision (the prompt's last position) in `dtype` on `device`."""
-    from spectie.model import load_model, teacher_forced_logits
-    from spectie.reduction_order import kernel_context
+    from spectie.lab.model import load_model, teacher_forced_logits
+    from spectie.lab.reduction_order import kernel_context
 
     model = load_model(path, dtype, device)
     with kernel_context(kernels):
@@ -70,7 +70,7 @@ def test_fla_kernels_agree_with_transformers_torch_reference(organism):
 
 
 def test_a_random_weight_qwen35_shape_runs_on_the_gpu():
-    from spectie import qwen_shapes
+    from spectie.lab import qwen_shapes
 
     model = qwen_shapes.build("qwen3.5-0.8b-shape", "bfloat16", "cuda", seed=0)
     ids = torch.randint(0, model.config.vocab_size, (1, 512), generator=torch.Generator().manual_seed(0)).cuda()
@@ -85,9 +85,9 @@ def test_plain_and_mtp_through_cuda_vllm(organism, tmp_path):
     """The product path on a GPU: the incident's matrix (two configurations, 24 new tokens) through the
     environment's own CUDA vLLM, records written and valid."""
     from spectie.engines import checks, matrix_run
-    from spectie.environments import get_environment
+    from spectie.records.environments import get_environment
     from spectie.engines.matrix import read_matrix
-    from spectie.records import validate_record
+    from spectie.records.store import validate_record
     from spectie.engines.venvs import check_installed
 
     if not checks.engine_python(GPU_ENVIRONMENT).exists():

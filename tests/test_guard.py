@@ -5,9 +5,9 @@ import httpx
 import pytest
 
 from conftest import typed
-from spectie import guard
-from spectie.errors import UsageError
-from spectie.record_types import Record
+from spectie.tools import guard
+from spectie.records.errors import UsageError
+from spectie.records.record_types import Record
 
 EOS, DATA, NAME = 248044, 17247, 11
 
@@ -214,7 +214,7 @@ def test_an_upstream_that_fails_is_its_failure_in_one_line(monkeypatch, tmp_path
 def test_the_server_probe_finding_is_said_per_host_from_its_records():
     """The guidance's sentence on `vllm serve` and one-token prompts: per host, died or answered, from the record;
     not measured yet, with the command, where no record is."""
-    from spectie import serve_probe
+    from spectie.engines import serve_probe
     from spectie.book import guidance_survey
 
     def probe(host: str, cpu: str, one_token_status):
@@ -241,4 +241,4 @@ def test_the_server_probe_finding_is_said_per_host_from_its_records():
     assert "a one-token prompt ended the server (plain; mtp-k1 answered it): HTTP 500" in \
         guidance_survey.probe_sentence([mixed])
     assert "expect x to be transposed" in text
-    assert "not been measured yet: python -m spectie.serve_probe" in guidance_survey.probe_sentence([])
+    assert "not been measured yet: python -m spectie.engines.serve_probe" in guidance_survey.probe_sentence([])

@@ -1,13 +1,13 @@
-"""The load measurement's plan and parameters (spectie.guard_load), and what its records are made to say
+"""The load measurement's plan and parameters (spectie.engines.guard_load), and what its records are made to say
 (spectie.book.guard_load_page). The real servers run in `make run CHAPTER=guidance PARAMS=environments/runs/*-guard-load.yaml`
 (tests/test_served.py runs the proxy in front of a real vllm serve)."""
 
 import pytest
 
 from conftest import typed
-from spectie import guard_load
+from spectie.engines import guard_load
 from spectie.book import guard_load_page
-from spectie.errors import UsageError
+from spectie.records.errors import UsageError
 
 GOOD = dict(servers=["plain", "mtp-k1"], levels=[1, 8], seeds=[0, 5], survey_prompts=2, survey_tokens=16,
             copies_seeds=[0], prefix_caching=[False, True])

@@ -4,9 +4,9 @@ stops resuming. Expected values are written out by hand."""
 
 import pytest
 
-from spectie import guard
-from spectie.errors import UsageError
-from spectie.tiestop import EndOfText, Step
+from spectie.tools import guard
+from spectie.records.errors import UsageError
+from spectie.tools.tiestop import EndOfText, Step
 from test_guard import DATA, EOS, NAME, completion
 
 CHAT, COMPLETIONS = guard.CHAT, guard.COMPLETIONS

@@ -2,7 +2,7 @@
 
 from conftest import typed
 from spectie.book import guidance, guidance_classifier, guidance_rows, guidance_survey, incident
-from spectie.record_types import Record
+from spectie.records.record_types import Record
 
 
 def _record(kind, record_id="test", parameters=None, results=None, environment="cpu", **fields) -> Record:
@@ -115,7 +115,7 @@ def _runs():
 
 
 def _verdict(verdict, position, margin=0.01, outside_a=()):
-    from spectie import divergence
+    from spectie.tools import divergence
 
     return divergence.Divergence(verdict, position, 0, 1, "a", "b", margin, margin, "a", 1, 2, list(outside_a), [],
                                  0.1, "given", f"{verdict} at {position}")
@@ -197,7 +197,7 @@ def test_detector_facts_count_the_stops_inside_the_band():
 
 def _fake_classify(monkeypatch):
     """divergence.classify replaced by a fake that records each call: near-tie unless b is longer than a."""
-    from spectie import divergence
+    from spectie.tools import divergence
 
     calls = []
 
@@ -211,7 +211,7 @@ def _fake_classify(monkeypatch):
 
 
 def test_each_divergence_is_classified_once_and_feeds_the_tables_and_the_verdict_records(monkeypatch):
-    from spectie import divergence_cases
+    from spectie.tools import divergence_cases
 
     calls = _fake_classify(monkeypatch)
     runs = _runs()
@@ -236,7 +236,7 @@ def test_each_divergence_is_classified_once_and_feeds_the_tables_and_the_verdict
 
 
 def test_classifier_rows_and_facts_are_told_from_the_verdicts():
-    from spectie import divergence
+    from spectie.tools import divergence
 
     runs = _runs()
     by_name = {r.parameters.configuration: r for r in runs}
@@ -281,7 +281,7 @@ def test_the_incident_is_read_from_its_reported_logits():
 
 
 def test_the_noise_band_is_the_given_one_else_the_recorded_one(monkeypatch):
-    from spectie import model as model_module
+    from spectie.lab import model as model_module
 
     assert guidance.noise_band("organism", 0.25) == (0.25, "given as a parameter")
     monkeypatch.setattr(model_module, "resolve_model", lambda name: f"/models/{name}")
@@ -315,7 +315,7 @@ def test_the_decisive_margin_and_the_b200_runs_by_k():
 
 
 def test_recorded_runs_are_one_run_of_these_weights_in_this_environment(monkeypatch):
-    from spectie import records
+    from spectie.records import store as records
 
     other_weights = _run("plain", [1], method="none", record_id="other", weights="other")
     stored = [_run("plain", [1], method="none"), _run("mtp-k1", [1], k=1), _run("plain", [1], method="none", seed=1),

@@ -7,13 +7,14 @@ import subprocess
 import pytest
 
 from conftest import run_cli, run_main, survey_near_tie, this_hosts_records, typed
-from spectie import host, survey
+from spectie.lab import host
+from spectie.engines import survey
 from spectie.book import guidance_survey
-from spectie.environments import get_environment
-from spectie.errors import UsageError
-from spectie.fingerprint import Gpu
-from spectie.record_types import Record
-from spectie.records import read_record, validate_record
+from spectie.records.environments import get_environment
+from spectie.records.errors import UsageError
+from spectie.records.fingerprint import Gpu
+from spectie.records.record_types import Record
+from spectie.records.store import read_record, validate_record
 
 
 @pytest.fixture
@@ -93,7 +94,7 @@ def test_a_gpu_environment_computed_on_the_cpu_is_refused(fake_nvidia_smi):
 
 def test_bench_runs_the_host_checks_before_any_model(monkeypatch):
     """`make bench DEVICE=cuda` on a host without a GPU (its ENV defaults to cpu) stops at the host check."""
-    from spectie import bench
+    from spectie.lab import bench
 
     result = without_gpu(monkeypatch, bench.main, "--env", "cpu", "--device", "cuda")
     assert "environment 'cpu' has no GPU" in result.stderr and "benchmark:" not in result.stdout
@@ -132,7 +133,7 @@ def test_make_run_is_strict_about_the_driver_only_when_asked(fake_rtx4090x2, mon
 
 
 def test_a_model_larger_than_memory_is_refused_before_loading(monkeypatch):
-    from spectie import memory
+    from spectie.lab import memory
 
     monkeypatch.setattr(host, "gpus", lambda: [])
     monkeypatch.setattr(memory, "host_memory", lambda: 4 * 2**30)
@@ -227,8 +228,8 @@ def test_the_detectors_rates_count_ordinary_stops_and_planted_truncations():
 def test_real_injected_truncations_on_the_organism(tmp_path):
     """The organism's bf16 logprobs where end-of-text is planted: the grammar's designed tie is a near-tie, the
     other positions are confident, and the record says which weights and dtype it came from."""
-    from spectie.model import resolve_model
-    from spectie.organism import pinned_digest
+    from spectie.lab.model import resolve_model
+    from spectie.lab.organism import pinned_digest
 
     record = survey.inject(resolve_model("organism"), "cpu", count=1, new_tokens=16, model_label="organism",
                            progress=False, results_dir=tmp_path)
@@ -261,8 +262,8 @@ def test_this_hosts_survey_through_vllm_cpu(request):
         for c in row["completions"].values():
             assert c["output_tokens"] == len(c["token_ids"]) > 0
             assert (c["stop_margin"] is not None) == (c["finish_reason"] == "stop")
-    from spectie.model import resolve_model
-    from spectie.thresholds import detector_threshold_for_model
+    from spectie.lab.model import resolve_model
+    from spectie.tools.thresholds import detector_threshold_for_model
 
     threshold = detector_threshold_for_model(resolve_model("organism"))[0]  # the guard's, as test_served reads it
     counts = survey.tally(record, threshold=threshold)
@@ -279,7 +280,7 @@ def test_this_hosts_survey_through_vllm_cpu(request):
 
 def test_a_failing_nvidia_smi_is_an_error_where_nvidia_devices_exist(tmp_path, monkeypatch):
     """Not "no GPU" (then the CPU's noise band would serve a GPU host): the command and its stderr are said."""
-    from spectie import fingerprint
+    from spectie.records import fingerprint
 
     script = tmp_path / "nvidia-smi"
     script.write_text("#!/bin/sh\necho 'Failed to initialize NVML: Driver/library version mismatch' >&2\nexit 18\n")

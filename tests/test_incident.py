@@ -7,9 +7,9 @@ import pytest
 
 from conftest import ROOT
 from spectie.book import incident
-from spectie.environments import check_record_environments, environment_status, load_environments
-from spectie.record_types import EngineOutcome, Record
-from spectie.records import load_records
+from spectie.records.environments import check_record_environments, environment_status, load_environments
+from spectie.records.record_types import EngineOutcome, Record
+from spectie.records.store import load_records
 
 BRIEF = ROOT / "sources" / "incident.md"
 NUMBER = re.compile(r"\d+(?:\.\d+)*")
@@ -125,7 +125,7 @@ def test_environments_and_their_status(records):
 
 
 def test_a_planned_environment_says_why_it_has_no_record_only_while_it_has_none(records):
-    from spectie.environments import pending_text
+    from spectie.records.environments import pending_text
 
     env = {"id": "h200", "pending": "not run\n  yet."}
     assert pending_text(env, records) == "not run yet."

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from spectie.chapters import _module_file, _spectie_imports
+from spectie.records.chapters import _module_file, _spectie_imports
 
 PACKAGE = Path(__file__).resolve().parents[1] / "spectie"
 
@@ -25,12 +25,26 @@ def _modules() -> dict[str, Path]:
     return found
 
 
-def test_the_readme_maps_every_module():
+def test_the_readme_maps_every_layer_and_each_layer_names_its_modules():
+    """The README's package map names each layer (a folder of the package) and the modules beside cli.py; each
+    layer's __init__ docstring names its modules (`name`, or `prefix*` for a family)."""
+    import ast
+
     readme = (PACKAGE.parent / "README.md").read_text()
-    table = readme[readme.index("### The package, in one look"):]
-    named = set(re.findall(r"`(?:spectie/)?([\w/]+)\.py`", table)) | set(re.findall(r"`spectie/(\w+)/`", table))
-    missing = [name for name in _modules() if name.split(".")[0] not in named and name.split(".")[-1] not in named]
-    assert not missing, f"modules the README's package map does not name: {missing}"
+    table = readme[readme.index("### The package, in one look"):readme.index("## Running a chapter")]
+    layers = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file())
+    assert layers == sorted(re.findall(r"^\| `spectie/(\w+)/` \|", table, re.M)), layers
+    unnamed = []
+    for name in _modules():
+        layer, _, module = name.rpartition(".")
+        if not layer:  # a layer itself, or a module beside cli.py
+            if name not in layers and f"`spectie/{name}.py`" not in table:
+                unnamed.append(name)
+            continue
+        said = ast.get_docstring(ast.parse((PACKAGE / layer / "__init__.py").read_text()))
+        if f"`{module}`" not in said and not any(module.startswith(p) for p in re.findall(r"`(\w+)\*`", said)):
+            unnamed.append(name)
+    assert not unnamed, f"modules no map names: {unnamed}"
 
 
 def test_imports_flow_one_way():
@@ -62,18 +76,18 @@ def lint_imports(root: Path) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=120)
 
 
-def test_the_import_contract_holds_and_breaks_when_a_module_below_the_book_imports_it(tmp_path):
-    """The layers as a contract (`lint-imports`, pinned): nothing below the book's layer imports it. A copy of the
+def test_the_import_contract_holds_and_breaks_when_a_tool_imports_the_book(tmp_path):
+    """The layers as a contract (`lint-imports`, pinned): each layer imports only those below it. A copy of the
     package in which a tool (the fix ledger) imports a chapter page breaks it, naming the import."""
     result = lint_imports(PACKAGE.parent)
     assert result.returncode == 0 and "1 kept, 0 broken" in result.stdout, result.stdout + result.stderr
     shutil.copytree(PACKAGE, tmp_path / "spectie", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(PACKAGE.parent / "pyproject.toml", tmp_path)
-    fixes = tmp_path / "spectie" / "fixes.py"
+    fixes = tmp_path / "spectie" / "tools" / "fixes.py"
     fixes.write_text(fixes.read_text() + "\nfrom spectie.book import pages  # noqa: E402\n")
     result = lint_imports(tmp_path)
-    assert result.returncode == 1 and "Nothing below the book imports it BROKEN" in result.stdout, result.stdout
-    assert "spectie.fixes -> spectie.book.pages" in result.stdout, result.stdout
+    assert result.returncode == 1 and "Each layer imports only the layers below it BROKEN" in result.stdout, result.stdout
+    assert "spectie.tools.fixes -> spectie.book.pages" in result.stdout, result.stdout
 
 
 NOTEBOOKS = PACKAGE.parent / "notebooks"

@@ -5,13 +5,13 @@ import json
 import pytest
 import torch
 
-from spectie import margins
-from spectie.errors import UsageError
-from spectie.model import (GDN_FUNCTIONS, Generation, greedy_generate, load_model, reference_gdn_kernels, stepwise_logits,
+from spectie.lab import margins
+from spectie.records.errors import UsageError
+from spectie.lab.model import (GDN_FUNCTIONS, Generation, greedy_generate, load_model, reference_gdn_kernels, stepwise_logits,
                            teacher_forced_logits)
-from spectie.organism import organism_dir
-from spectie.prompts import PromptSpec, build_prompt
-from spectie.record_types import DesignedDecisions
+from spectie.lab.organism import organism_dir
+from spectie.lab.prompts import PromptSpec, build_prompt
+from spectie.records.record_types import DesignedDecisions
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def organism():
 def test_teacher_forcing_matches_step_by_step_decoding(organism, dtype, tolerance):
     """One forward over prompt+continuation (GDN's chunked rule) gives the logits that decoding token
     by token with the cache (GDN's recurrent rule) gives, up to the dtype's rounding."""
-    from spectie.tokenizer import load_tokenizer
+    from spectie.lab.tokenizer import load_tokenizer
 
     model = load_model(organism, dtype)
     prompt = build_prompt(PromptSpec(tokens=150, seed=3), load_tokenizer())

@@ -2,7 +2,7 @@
 
 import pytest
 
-from spectie.errors import UsageError
+from spectie.records.errors import UsageError
 from spectie.engines.matrix import load_matrix, read_matrix
 
 

@@ -7,14 +7,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from spectie import margins, organism
-from spectie.errors import UsageError
-from spectie.fingerprint import model_digest
-from spectie.model import greedy_generate
-from spectie.organism import VOCAB_SIZE, organism_dir, pinned_digest, read_pin
-from spectie.prompts import CHECKPOINT, PromptSpec, build_prompt, prompt_set
+from spectie.lab import margins, organism
+from spectie.records.errors import UsageError
+from spectie.records.fingerprint import model_digest
+from spectie.lab.model import greedy_generate
+from spectie.lab.organism import VOCAB_SIZE, organism_dir, pinned_digest, read_pin
+from spectie.lab.prompts import CHECKPOINT, PromptSpec, build_prompt, prompt_set
 from conftest import this_hosts_records
-from spectie.tokenizer import load_tokenizer
+from spectie.lab.tokenizer import load_tokenizer
 
 EOS, DATA = 248044, 17247
 
@@ -112,7 +112,7 @@ def test_the_designed_tie_on_the_pinned_weights(request, setup):
     among them. At 1845 tokens fp32 prefers DATA in all 16 prompts and bf16 rounds them to ties that argmax
     gives to DATA (read from this host's margins record of these weights: conftest.this_hosts_records); at 256 tokens
     bf16 picks the other token than fp32 in some prompts (seed 5; computed here)."""
-    from spectie.records import read_record
+    from spectie.records.store import read_record
 
     [path] = this_hosts_records(request, "margins/margins-cpu-decisions-*.json")
     record = read_record(path)

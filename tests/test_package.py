@@ -8,7 +8,7 @@ import venv
 
 import pytest
 
-from spectie.paths import project_root
+from spectie.records.paths import project_root
 
 from test_tiestop import completion_response
 

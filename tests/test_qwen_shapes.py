@@ -3,9 +3,9 @@
 import pytest
 
 from conftest import typed
-from spectie import bands, qwen_shapes, reduction_order
-from spectie.errors import UsageError
-from spectie.record_types import Record
+from spectie.lab import bands, qwen_shapes, reduction_order
+from spectie.records.errors import UsageError
+from spectie.records.record_types import Record
 
 # A shape small enough for a test, built by the same code as the real ones.
 TINY = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
@@ -30,7 +30,7 @@ def test_the_four_shapes_have_qwen35_layouts_and_sizes():
 
 
 def test_a_shape_that_cannot_fit_is_refused_with_the_memory_it_needs(monkeypatch):
-    from spectie import memory
+    from spectie.lab import memory
 
     monkeypatch.setattr(memory, "host_memory", lambda: 80 * 2**30)
     # 8.95 B parameters in float64 plus their float32 copy (built in float32, then cast), with memory.SLACK
@@ -74,7 +74,7 @@ def test_a_sweep_of_a_shape_runs_and_its_record_says_random_weights(tiny_shape):
 
 
 def test_the_benchmark_times_each_shape_with_the_forwards_it_names(tiny_shape):
-    from spectie import bench
+    from spectie.lab import bench
 
     results = bench.run(tiny_shape, "cpu", ["float32"], bench.SHAPES, prompt_tokens=100, new_tokens=8, repeats=1,
                         log=lambda line: None)
@@ -86,7 +86,7 @@ def test_the_benchmark_times_each_shape_with_the_forwards_it_names(tiny_shape):
 
 
 def test_the_benchmark_refuses_bad_input_before_loading_anything():
-    from spectie import bench
+    from spectie.lab import bench
 
     with pytest.raises(UsageError, match="unknown shape"):
         bench.run("organism", "cpu", ["float32"], ["verify-x"])
@@ -102,7 +102,7 @@ def test_a_shape_written_as_a_release_checkpoint_loads_with_the_same_weights(tin
     import torch
     from safetensors import safe_open
 
-    from spectie.model import load_model
+    from spectie.lab.model import load_model
 
     info = qwen_shapes.write_checkpoint(tiny_shape, str(tmp_path), seed=3)
     config = json.loads((tmp_path / "config.json").read_text())

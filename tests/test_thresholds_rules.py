@@ -5,8 +5,9 @@ values are written out by hand."""
 import pytest
 
 from conftest import typed
-from spectie import fingerprint, thresholds
-from spectie.thresholds import Reference
+from spectie.records import fingerprint
+from spectie.tools import thresholds
+from spectie.tools.thresholds import Reference
 
 
 def comparison(record_id: str, rows: list[dict], position=None, digest="abc", kind="logit-comparison"):
@@ -45,7 +46,7 @@ def test_without_weights_or_records_the_threshold_is_the_reported_swing():
 
 
 def test_the_records_given_are_the_only_band_points_read(monkeypatch):
-    from spectie import bands
+    from spectie.lab import bands
 
     points = [{"band": 0.3, "dtype": "bfloat16", "tf32": False, "model_sha256": "aaa", "gpu": None, "label": "x"}]
     monkeypatch.setattr(bands, "recorded_band_points", lambda: points)
@@ -54,7 +55,7 @@ def test_the_records_given_are_the_only_band_points_read(monkeypatch):
 
 
 def test_a_band_point_of_no_named_weights_is_never_the_band(monkeypatch):
-    from spectie import bands
+    from spectie.lab import bands
 
     points = [{"band": 0.3, "dtype": "bfloat16", "tf32": False, "model_sha256": None, "gpu": None, "label": "x"}]
     monkeypatch.setattr(bands, "recorded_band_points", lambda: points)
@@ -77,7 +78,7 @@ def test_the_recorded_logits_are_the_largest_in_magnitude_of_these_weights_compa
 
 
 def test_without_records_given_the_recorded_logits_are_read_from_the_logit_comparisons(monkeypatch):
-    from spectie import records
+    from spectie.records import store as records
 
     asked = []
     found = [comparison("m", [{"logits": {"EOS": -25.0}}])]

@@ -5,9 +5,9 @@ import json
 import pytest
 
 from conftest import ROOT, run_cli, typed
-from spectie import thresholds, tiestop
-from spectie.errors import UsageError
-from spectie.record_types import Record
+from spectie.tools import thresholds, tiestop
+from spectie.records.errors import UsageError
+from spectie.records.record_types import Record
 
 
 def _logit_comparison(record_id: str, rows: list[dict], **fields) -> Record:
@@ -94,7 +94,7 @@ def test_only_an_end_of_text_token_is_read_as_the_stop():
 
 
 def test_the_organisms_end_of_text_tokens_are_read_from_its_folder():
-    from spectie.model import resolve_model
+    from spectie.lab.model import resolve_model
 
     stops = tiestop.end_of_text(resolve_model("organism"))
     assert stops.ids == {248044, 248046} and {"<|endoftext|>", "<|im_end|>"} <= stops.texts
@@ -128,7 +128,7 @@ def test_without_a_band_for_these_weights_the_threshold_is_the_incidents_reporte
 def test_default_threshold_is_the_band_recorded_for_the_same_weights(monkeypatch):
     """The rule, on band points written out here: bf16 with TF32 off, of these weights; the device's own where it
     has one, else the widest of any device; fp32, TF32 and other weights never count; none: the reported swing."""
-    from spectie import bands
+    from spectie.lab import bands
 
     def point(band, dtype="bfloat16", tf32=False, digest="aaaaaaaaaaaa", gpu=None):
         return {"band": band, "dtype": dtype, "tf32": tf32, "model_sha256": digest, "gpu": gpu,

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import typed
-from spectie import tiestop
-from spectie.errors import UsageError
-from spectie.tiestop import Completion, EndOfText, Step
+from spectie.tools import tiestop
+from spectie.records.errors import UsageError
+from spectie.tools.tiestop import Completion, EndOfText, Step
 
 
 def refusal(call, *args) -> str:
@@ -301,7 +301,7 @@ def test_a_folder_that_does_not_say_it_that_way_has_no_special_end_of_text(tmp_p
 
 
 def test_without_special_tokens_the_end_of_text_is_read_through_the_tokenizer(monkeypatch, tmp_path):
-    from spectie import model, tokenizer
+    from spectie.lab import model, tokenizer
 
     class Tokens:
         def decode(self, ids):

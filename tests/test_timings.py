@@ -7,8 +7,8 @@ import time
 import pytest
 
 from conftest import run_main
-from spectie import timings
-from spectie.errors import UsageError
+from spectie.book import timings
+from spectie.records.errors import UsageError
 
 START = int(time.time()) - 3600  # the pipeline's clean build began an hour ago (epoch seconds)
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from spectie.errors import UsageError
-from spectie.prompts import NAMES, PromptSpec, build_prompt, open_row, prompt_set
-from spectie.tokenizer import load_tokenizer, token_id
+from spectie.records.errors import UsageError
+from spectie.lab.prompts import NAMES, PromptSpec, build_prompt, open_row, prompt_set
+from spectie.lab.tokenizer import load_tokenizer, token_id
 
 
 @pytest.fixture(scope="module")

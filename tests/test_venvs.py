@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from spectie.environments import get_environment
-from spectie.errors import UsageError
+from spectie.records.environments import get_environment
+from spectie.records.errors import UsageError
 from spectie.engines.venvs import check_installed, create_venv, expand, install_commands
 
 FULL = "77154ca6" + "0123456789abcdef0123456789abcdef"  # a full hash of the nightly's commit (its shape)

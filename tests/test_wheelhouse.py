@@ -7,9 +7,9 @@ import subprocess
 
 import pytest
 
-from spectie import wheelhouse
-from spectie.environments import get_environment
-from spectie.errors import UsageError
+from spectie.engines import wheelhouse
+from spectie.records.environments import get_environment
+from spectie.records.errors import UsageError
 
 
 def test_a_locked_environment_downloads_exactly_its_lock_for_the_gpu_hosts_python():

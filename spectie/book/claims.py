@@ -19,7 +19,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from spectie.record_types import Record
+from spectie.records.record_types import Record
 
 SUFFIX = ".claim"  # the glue name of a claim beside its text's
 

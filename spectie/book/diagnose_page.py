@@ -1,4 +1,4 @@
-"""The one-page verdict on an operator's request (spectie.diagnose ran it): per configuration what vLLM did against
+"""The one-page verdict on an operator's request (spectie.book.diagnose ran it): per configuration what vLLM did against
 plain greedy, the classifier's verdict on each divergence, the detector on the stops vLLM served (and on the
 operator's own response, where the log line holds it), the fix ledger for the installed release, and what to do.
 Every sentence is computed from the diagnosis's records.
@@ -8,9 +8,9 @@ Every sentence is computed from the diagnosis's records.
 
 from __future__ import annotations
 
-from spectie.completions import stopped_earlier, tokens_before_stop, tokens_written
+from spectie.records.completions import stopped_earlier, tokens_before_stop, tokens_written
 from spectie.book.pages import and_list, device_of
-from spectie.record_types import Record
+from spectie.records.record_types import Record
 
 LEDGER_ISSUE = "39273"  # GDN state under speculation: the fixes the ledger follows
 
@@ -44,9 +44,9 @@ def configuration_rows(records: list[Record], threshold: float) -> list[dict]:
 
 
 def classified(records: list[Record], device: str) -> dict[str, object]:
-    """The classifier's verdict (spectie.divergence.Divergence) on each configuration whose first repeat parts from
+    """The classifier's verdict (spectie.tools.divergence.Divergence) on each configuration whose first repeat parts from
     plain greedy's first repeat: configuration -> its divergence."""
-    from spectie import divergence
+    from spectie.tools import divergence
 
     base = baseline_of(records)
     verdicts = {}
@@ -133,8 +133,8 @@ def stops_to_reference(records: list[Record]) -> dict[str, tuple[int, ...]]:
 def stop_references(model_path: str, prompt: list[int], stops: dict[str, tuple[int, ...]], device: str) -> dict:
     """At each stop (the last of its tokens), fp32's and bf16's margin of the stop token over the best other token,
     from the same context (transformers, teacher-forced, one model per precision): configuration -> margins."""
-    from spectie.model import load_model, teacher_forced_logits
-    from spectie.tokenizer import model_tokenizer
+    from spectie.lab.model import load_model, teacher_forced_logits
+    from spectie.lab.tokenizer import model_tokenizer
 
     found = {configuration: {"position": len(tokens)} for configuration, tokens in stops.items()}
     for dtype, name in (("float32", "fp32"), ("bfloat16", "bf16")):
@@ -163,7 +163,7 @@ def references_text(found: dict, band: float, origin: str) -> str:
 
 def ledger_text(version: str) -> str:
     """Which public fixes for GDN state under speculation (#39273) the release carries (the committed ledger)."""
-    from spectie.fixes import ledger_record, pull_requests_text
+    from spectie.tools.fixes import ledger_record, pull_requests_text
 
     return f"vLLM {version}: " + pull_requests_text(ledger_record(), version, LEDGER_ISSUE)
 
@@ -171,7 +171,7 @@ def ledger_text(version: str) -> str:
 def advice_text(rows: list[dict], verdicts: dict, plain: str) -> str:
     """What to do, from the answers: the guard for a near-tie stop, upstream and another release for a suspected
     bug, the model's own stop when plain greedy stops too, or where to look next when nothing reproduced."""
-    from spectie.divergence import Verdict
+    from spectie.tools.divergence import Verdict
 
     early = [r["configuration"] for r in rows if r["stopped earlier than plain greedy"]]
     flagged = {c: v for c, v in verdicts.items() if v.verdict is Verdict.BUG}
@@ -210,7 +210,7 @@ def advice_text(rows: list[dict], verdicts: dict, plain: str) -> str:
 
 def response_text(diagnosis, threshold: float) -> str:
     """The detector on the operator's own response (where the log line holds it)."""
-    from spectie import tiestop
+    from spectie.tools import tiestop
 
     if diagnosis.request.response is None:
         return "no response in the request file (give a log line with its response to check it)"
@@ -223,8 +223,8 @@ def page_values(records: list[Record], diagnosis) -> dict:
     """The page's glue values: the request, the four answers in order, the configurations' table, the repeat grid,
     the fix ledger for the installed release, the operator's own response, and where the records came from."""
     from spectie.book import reproduce
-    from spectie.records import provenance_line
-    from spectie.thresholds import detector_threshold_for_model, threshold_for_model
+    from spectie.records.store import provenance_line
+    from spectie.tools.thresholds import detector_threshold_for_model, threshold_for_model
 
     # the bands recorded for these weights on this machine's device (the one the classifier's reference runs on)
     threshold, origin = detector_threshold_for_model(diagnosis.model_path)
@@ -255,9 +255,9 @@ def styled(rows: list[dict]):
 
 
 def elsewhere_values(records: list[Record]) -> dict:
-    """The same request diagnosed elsewhere (spectie.diagnose.diagnosed_elsewhere): per environment and host, how many
+    """The same request diagnosed elsewhere (spectie.book.diagnose.diagnosed_elsewhere): per environment and host, how many
     repeats of each configuration stopped and the tokens they wrote, in a sentence and a table."""
-    from spectie.records import provenance_line
+    from spectie.records.store import provenance_line
 
     groups = {}
     for r in records:

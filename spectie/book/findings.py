@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from spectie.book.claims import Claim, Scope
 from spectie.book.pages import and_list, bullets
-from spectie.record_types import Record
+from spectie.records.record_types import Record
 from spectie.book.release_findings import gpu_matrix_runs
 
 
@@ -20,7 +20,7 @@ FINDINGS_SCOPE = ("every vLLM run of the reproduce matrix on a GPU here, on the 
 
 def classified_cases(records: list[Record]) -> dict[tuple[str, str], dict]:
     """The classifier's verdict rows by (engine environment, case: "<configuration> vs <baseline>, seed <n>")."""
-    from spectie.divergence_verdicts import VERDICTS_KIND
+    from spectie.tools.divergence_verdicts import VERDICTS_KIND
 
     return {(r.parameters.engine_environment, row["case"]): row
             for r in records if r.kind == VERDICTS_KIND for row in r.results.rows}
@@ -31,8 +31,8 @@ def early_stop_facts(runs: list[Record], baselines: dict, cases: dict, env_id: s
     how often, the stop's margin in vLLM's own logprobs, and what its tokens before the stop were: plain greedy's
     ("same"), or parted earlier at a divergence the classifier calls a near-tie ("near-tie") or a suspected bug
     ("bug") on the run's first repeat, or not classified yet ("unclassified")."""
-    from spectie.completions import stopped_earlier, tokens_before_stop
-    from spectie.divergence import Verdict
+    from spectie.records.completions import stopped_earlier, tokens_before_stop
+    from spectie.tools.divergence import Verdict
 
     facts = []
     for r in sorted(runs, key=lambda r: (r.parameters.configuration, r.parameters.prompt_seed)):
@@ -75,7 +75,7 @@ def _before_text(fact: dict) -> str:
 def path_facts(records: list[Record]) -> list[dict]:
     """Per vLLM release on a GPU and decoding path (FINDINGS_SCOPE): its generations, how many parted from plain
     greedy, its early stops (`early_stop_facts`), and the classifier's verdicts on its divergences."""
-    from spectie.divergence import Verdict
+    from spectie.tools.divergence import Verdict
 
     cases = classified_cases(records)
     found = []

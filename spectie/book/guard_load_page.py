@@ -1,4 +1,4 @@
-"""What the guard-under-load records say (spectie.guard_load), per device: for each server, prefix-caching setting,
+"""What the guard-under-load records say (spectie.engines.guard_load), per device: for each server, prefix-caching setting,
 level, workload and route, how many requests stopped earlier than plain greedy's one-at-a-time output, how many
 outputs differ from the same server's one-at-a-time output, near-tie stops that reached the client, errors,
 throughput and latency; and, in words, whether load or prefix caching moved a stop.
@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from spectie.guard_load import KIND, SERVERS
+from spectie.engines.guard_load import KIND, SERVERS
 from spectie.book.pages import and_list, bullets, device_of
-from spectie.record_types import Record
-from spectie.records import load_records, provenance_line, same_weights
+from spectie.records.record_types import Record
+from spectie.records.store import load_records, provenance_line, same_weights
 
 NOT_RUN = ("not run yet for this model: make run CHAPTER=guidance ENV=cpu PARAMS=environments/runs/cpu-guard-load.yaml "
            "runs it on the CPU build, and PARAMS=environments/runs/v0.32.0-h100-guard-load.yaml with ENV=v0.32.0-h100 "
@@ -228,7 +228,7 @@ def not_run(records: list[Record], others: list[Record] = ()) -> str:
 def run_file(environment: str) -> str:
     """The run file of the load measurement for an environment: its own (environments/runs/<env>-guard-load.yaml)
     where one exists, else the H100's (vLLM 0.32.0), which runs on any GPU of that release."""
-    from spectie.paths import project_root
+    from spectie.records.paths import project_root
 
     own = f"{environment}-guard-load.yaml"
     return own if (project_root() / "environments" / "runs" / own).is_file() else "v0.32.0-h100-guard-load.yaml"

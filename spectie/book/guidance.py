@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from spectie import thresholds, tiestop
+from spectie.tools import thresholds, tiestop
 from spectie.book.claims import Claim, covering
-from spectie.completions import stopped_earlier, tokens_written
+from spectie.records.completions import stopped_earlier, tokens_written
 from spectie.book.incident import b200_facts, fp32_row, logit_comparison
-from spectie.record_types import Record
+from spectie.records.record_types import Record
 
 
 def detector_rows(records: list[Record], threshold: float) -> list[dict]:
@@ -59,8 +59,8 @@ def grouped_outcomes(repeats: dict[str, dict]) -> str:
 def fp32_head_bands(records: list[Record]) -> str | None:
     """The bf16 noise band with the bf16 head and with an fp32 head, per recorded sweep that has both
     (torch kernels, TF32 off), in words; None when no sweep has an fp32-head row."""
-    from spectie.bands import band_points
-    from spectie.reduction_order import FP32_HEAD
+    from spectie.lab.bands import band_points
+    from spectie.lab.reduction_order import FP32_HEAD
 
     parts = []
     for record in records:
@@ -197,7 +197,7 @@ def rate_text(part: int, whole: int) -> str:
 # ------------------------------------------------------------------------------ the chapter's evidence, from records
 def model_records(model: str, **match) -> list[Record]:
     """The records under results/ matching `match` that were made with the very weights `model` names here."""
-    from spectie.records import load_records, same_weights
+    from spectie.records.store import load_records, same_weights
 
     return [r for r in load_records(**match) if same_weights(r, model)]
 
@@ -225,7 +225,7 @@ def noise_band(model: str, threshold: float | None, detector: bool = False) -> t
     and one bf16 step at the logits recorded for these weights (the detector reads bf16-rounded margins)."""
     if threshold is not None:
         return threshold, "given as a parameter"
-    from spectie.model import resolve_model
+    from spectie.lab.model import resolve_model
 
     find = thresholds.detector_threshold_for_model if detector else thresholds.threshold_for_model
     return find(resolve_model(model))
@@ -386,8 +386,8 @@ class Page:
 
 def context(model: str, threshold: float | None, environment: str) -> Page:
     """The page's context; `threshold` None: the bands recorded for `model`'s weights."""
-    from spectie.records import load_records
-    from spectie.bands import largest_bf16_band, recorded_band_points
+    from spectie.records.store import load_records
+    from spectie.lab.bands import largest_bf16_band, recorded_band_points
 
     tie_threshold, tie_origin = noise_band(model, threshold, detector=True)
     band, origin = noise_band(model, threshold)
@@ -402,8 +402,8 @@ def evidence_values(page: Page) -> dict:
     import pandas as pd
 
     from spectie.book import guidance_rows
-    from spectie.model import resolve_model
-    from spectie.records import load_records
+    from spectie.lab.model import resolve_model
+    from spectie.records.store import load_records
 
     detector = detector_rows(page.runs, page.tie_threshold)
     words = runs_scope(page.runs)

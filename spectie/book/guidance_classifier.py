@@ -1,4 +1,4 @@
-"""The guidance chapter's classifier sections: the divergence classifier (spectie.divergence) on every recorded
+"""The guidance chapter's classifier sections: the divergence classifier (spectie.tools.divergence) on every recorded
 speculative run that parted from plain greedy, on a planted state bug, on the labelled cases (truth known by
 construction) and on each GPU environment's recorded divergences, whose verdicts it keeps as records (the book's
 first page reads them).
@@ -10,10 +10,10 @@ first page reads them).
 
 from __future__ import annotations
 
-from spectie import divergence, divergence_cases, divergence_verdicts
+from spectie.tools import divergence, divergence_cases, divergence_verdicts
 from spectie.book.claims import Claim, covering
 from spectie.book.guidance import Page, changed_completions, model_records, plural, upstream_text, yes_no
-from spectie.record_types import Record
+from spectie.records.record_types import Record
 
 
 def speculative_divergences(records: list[Record]) -> list[tuple[Record, Record]]:
@@ -55,9 +55,9 @@ def classify_runs(runs: list[Record], classify) -> list[tuple[Record, divergence
 def planted_bug(model: str = "organism", prompt_tokens: int = 1845, seed: int = 0, new_tokens: int = 96,
                 corrupt_at: int = 0) -> tuple[list[int], list[int], list[int]]:
     """The prompt, plain bf16 greedy output, and the output with GDN states lost from `corrupt_at` on."""
-    from spectie.model import greedy_generate, load_model, reference_gdn_kernels, resolve_model
-    from spectie.prompts import PromptSpec, build_prompt
-    from spectie.tokenizer import model_tokenizer
+    from spectie.lab.model import greedy_generate, load_model, reference_gdn_kernels, resolve_model
+    from spectie.lab.prompts import PromptSpec, build_prompt
+    from spectie.lab.tokenizer import model_tokenizer
 
     path = resolve_model(model)
     tokenizer = model_tokenizer(path)
@@ -204,7 +204,7 @@ def gpu_verdicts_text(runs: list[Record], rows: list[dict], band: float, band_or
                       ledger: dict) -> str:
     """One GPU environment's divergences under the classifier, and the #39273 fixes the ledger finds in its
     release, in words."""
-    from spectie.fixes import pull_requests_text
+    from spectie.tools.fixes import pull_requests_text
 
     fingerprint = runs[0].fingerprint
     seeds = sorted({r.parameters.prompt_seed for r in runs})
@@ -238,11 +238,11 @@ def cases_values(page: Page, classify, ledger: dict) -> dict:
     import pandas as pd
     from IPython.display import Markdown
 
-    from spectie.chapters import current_hash
-    from spectie.fingerprint import now
-    from spectie.model import resolve_model
+    from spectie.records.chapters import current_hash
+    from spectie.records.fingerprint import now
+    from spectie.lab.model import resolve_model
     from spectie.book.pages import bullets
-    from spectie.thresholds import threshold_for_model
+    from spectie.tools.thresholds import threshold_for_model
 
     labelled = divergence_cases.read_cases()
     case_rows = divergence_cases.classify_cases(labelled["cases"], labelled["model"], page.threshold)

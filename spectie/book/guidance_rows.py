@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-from spectie.completions import tokens_written
-from spectie.record_types import Record
+from spectie.records.completions import tokens_written
+from spectie.records.record_types import Record
 
 
 def row_counts(records: list[Record], model_path: str, marker: str = "[DATA]") -> list[dict]:
     """The integrity check a caller can make: data rows in each run's output (first repeat)."""
-    from spectie.tokenizer import model_tokenizer
+    from spectie.lab.tokenizer import model_tokenizer
 
     tokenizer = model_tokenizer(model_path)
     rows = []
@@ -49,7 +49,7 @@ def rows_text(rows: list[dict], baseline: str | None, marker: str = "[DATA]") ->
 def rows_facts(runs: list[Record], model: str) -> dict:
     """Over every matrix run and prompt seed in `runs`: how many data rows plain greedy wrote, and which
     speculative configurations wrote fewer or more (first repeats): what `rows_claim` states."""
-    from spectie.model import resolve_model
+    from spectie.lab.model import resolve_model
     from spectie.book.reproduce import by_run_and_prompt
 
     base_rows, fewer, more = set(), set(), set()

@@ -8,18 +8,18 @@ guard) through vllm serve with MTP, without it and with it. Each measures only w
 
 from __future__ import annotations
 
-from spectie import survey
+from spectie.engines import survey
 from spectie.book.claims import Claim, covering
 from spectie.book.guidance import MIN_FOR_RATE, Page, plural, rate_text
-from spectie.record_types import Record
-from spectie.records import load_records, provenance_line, same_weights, standing_first
+from spectie.records.record_types import Record
+from spectie.records.store import load_records, provenance_line, same_weights, standing_first
 
 NO_SURVEY = "No tie-stop survey is recorded for this model."
 
 
 def check_arguments(survey_prompts: int, injection_tokens: int, guard_prompts: int, guard_tokens: int) -> None:
     """Every measured section's parameters, checked before any engine starts (UsageError)."""
-    from spectie import guard_measure
+    from spectie.engines import guard_measure
 
     if injection_tokens:
         survey.check_new_tokens(injection_tokens)
@@ -29,8 +29,8 @@ def check_arguments(survey_prompts: int, injection_tokens: int, guard_prompts: i
 
 def run_survey(page: Page, prompts: int, configurations: list[str], max_tokens: int) -> None:
     """The tie-stop survey of `prompts` ordinary prompts through this environment's vLLM (what its records lack)."""
-    from spectie.chapters import current_hash
-    from spectie.model import resolve_model
+    from spectie.records.chapters import current_hash
+    from spectie.lab.model import resolve_model
 
     survey.run(resolve_model(page.model), page.environment, prompts, configurations,
                content_hash=current_hash("guidance"), model_label=page.model, max_tokens=max_tokens)
@@ -38,8 +38,8 @@ def run_survey(page: Page, prompts: int, configurations: list[str], max_tokens: 
 
 def run_injection(page: Page, prompts: int, new_tokens: int) -> None:
     """End-of-text planted at every output position of `prompts` survey prompts (what its records lack)."""
-    from spectie.chapters import current_hash
-    from spectie.model import resolve_model
+    from spectie.records.chapters import current_hash
+    from spectie.lab.model import resolve_model
 
     survey.inject(resolve_model(page.model), page.environment, prompts, new_tokens,
                   content_hash=current_hash("guidance"), model_label=page.model)
@@ -47,9 +47,9 @@ def run_injection(page: Page, prompts: int, new_tokens: int) -> None:
 
 def run_guard(page: Page, prompts: int, new_tokens: int) -> None:
     """The survey's prompts through vllm serve (MTP), without and with the guard (what its records lack)."""
-    from spectie import guard_measure
-    from spectie.chapters import current_hash
-    from spectie.model import resolve_model
+    from spectie.engines import guard_measure
+    from spectie.records.chapters import current_hash
+    from spectie.lab.model import resolve_model
 
     guard_measure.measure(resolve_model(page.model), page.environment, prompts, new_tokens,
                           content_hash=current_hash("guidance"), model_label=page.model)
@@ -156,7 +156,7 @@ def injection_values(page: Page) -> dict:
     import numpy as np
 
     from spectie.book import plots
-    from spectie.thresholds import reported_swing
+    from spectie.tools.thresholds import reported_swing
 
     main = survey.this_hosts(standing_first(surveys(page), page.environment), page.environment)
     injections = load_records(chapter=survey.CHAPTER, kind=survey.INJECTION_KIND)
@@ -279,7 +279,7 @@ def detector_claim(name: str, main: Record | None, injection: Record | None, thr
 
 
 def guard_summary(record: Record) -> dict:
-    """The guard's figures from its record (spectie.guard_measure): near-tie stops that reached the client without
+    """The guard's figures from its record (spectie.engines.guard_measure): near-tie stops that reached the client without
     and with the guard, completions resumed, extra requests, and the guard's time per completion minus the
     server's alone (median and 95th percentile)."""
     import numpy as np
@@ -338,8 +338,8 @@ def guard_sentence(record: Record | None) -> str:
 
 def probe_values() -> dict:
     """The glue values of the server-probe finding: every host's record of `vllm serve` on one- and two-token
-    prompts (spectie.serve_probe), in words."""
-    from spectie import serve_probe
+    prompts (spectie.engines.serve_probe), in words."""
+    from spectie.engines import serve_probe
 
     records = load_records(chapter=serve_probe.CHAPTER, kind=serve_probe.KIND)
     return {"probe_text": probe_sentence(records),
@@ -349,7 +349,7 @@ def probe_values() -> dict:
 def probe_sentence(records: list[Record]) -> str:
     """Whether `vllm serve` survived a one-token prompt, per host that measured it; that it was not measured yet, and
     the command, where no host did."""
-    from spectie.serve_probe import COMMAND, died_on_one_token
+    from spectie.engines.serve_probe import COMMAND, died_on_one_token
 
     if not records:
         return (f"Whether vllm serve survives a one-token prompt has not been measured yet: {COMMAND} measures it "

@@ -6,8 +6,8 @@ from dataclasses import fields
 
 import pandas as pd
 
-from spectie.environments import load_environments
-from spectie.record_types import EngineConfiguration, EngineOutcome, IncidentParameters, LogitComparison, Record
+from spectie.records.environments import load_environments
+from spectie.records.record_types import EngineConfiguration, EngineOutcome, IncidentParameters, LogitComparison, Record
 
 NOT_REPORTED = "—"
 

@@ -1,4 +1,4 @@
-"""The margins chapter's glue values, from its records (spectie.margins measures and writes them): each function
+"""The margins chapter's glue values, from its records (spectie.lab.margins measures and writes them): each function
 returns {name: value} for one section of the page (spectie.book.pages.glue_all glues them).
 
     setup = margins.prepare(...)
@@ -11,9 +11,9 @@ from __future__ import annotations
 import pandas as pd
 
 from spectie.book import plots
-from spectie.margins import SHORT, MarginsSetup, bf16_spacing, decision_text, eos_flip_text
-from spectie.record_types import Record
-from spectie.records import provenance_line
+from spectie.lab.margins import SHORT, MarginsSetup, bf16_spacing, decision_text, eos_flip_text
+from spectie.records.record_types import Record
+from spectie.records.store import provenance_line
 
 
 def names(setup: MarginsSetup) -> tuple[str, str, tuple[str, str]]:
@@ -22,8 +22,8 @@ def names(setup: MarginsSetup) -> tuple[str, str, tuple[str, str]]:
 
 
 def setup_values(setup: MarginsSetup) -> dict:
-    from spectie.organism import pinned_digest
-    from spectie.prompts import STOP_PROBABILITY
+    from spectie.lab.organism import pinned_digest
+    from spectie.lab.prompts import STOP_PROBABILITY
 
     _, _, pair = names(setup)
     return {"data_token_id": setup.watch[pair[1]], "organism_digest": pinned_digest(),
@@ -114,7 +114,7 @@ def incident_values(reported: list[Record]) -> dict:
 
 def recorded_runs_table(records: list[Record]) -> pd.DataFrame:
     """Every recorded measured logit comparison of the chapter: where it ran and who won in each precision."""
-    from spectie.records import model_name
+    from spectie.lab.model import model_name
 
     return pd.DataFrame([{
         "environment": r.environment, "host": r.fingerprint.host_id,

@@ -57,7 +57,7 @@ def flip_rate_vs_margin(bins: list[dict], reference: str, other: str, title: str
 def bf16_grid(values: dict[str, float], title: str):
     """Where logits sit on the grid of bf16 numbers: the steps a near-tie is made of. The grid is bf16's own:
     its spacing halves below each power of two (0.0625 below 16, 0.125 from 16 to 32)."""
-    from spectie.margins import bf16_spacing
+    from spectie.lab.margins import bf16_spacing
 
     low, high = min(values.values()), max(values.values())
     low -= 2 * bf16_spacing(low)

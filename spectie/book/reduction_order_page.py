@@ -1,5 +1,5 @@
-"""The reduction-order chapter's glue values, from its records (spectie.reduction_order measures and writes the
-sweeps, spectie.bench the benchmarks): each function returns {name: value} for one section of the page
+"""The reduction-order chapter's glue values, from its records (spectie.lab.reduction_order measures and writes the
+sweeps, spectie.lab.bench the benchmarks): each function returns {name: value} for one section of the page
 (spectie.book.pages.glue_all glues them).
 
     record = reduction_order.run(...)
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import pandas as pd
 
-from spectie import bands, host, qwen_shapes, reduction_order
+from spectie.lab import bands, host, qwen_shapes, reduction_order
 from spectie.book import plots
 from spectie.book.incident import fp32_row
-from spectie.margins import flip_curve
-from spectie.memory import GIB
-from spectie.record_types import Record
-from spectie.records import provenance_line
+from spectie.lab.margins import flip_curve
+from spectie.lab.memory import GIB
+from spectie.records.record_types import Record
+from spectie.records.store import provenance_line
 
 MARGIN_EDGES = [0, 0.01, 0.03, 0.1, 0.3, 1, 3, 10, 100]  # fp32-margin bins of the flip curves
 TF32 = {True: "on", False: "off"}  # said as a reader reads it, not as Python's booleans
@@ -124,7 +124,7 @@ def bench_table(records: list[Record]):
 
 def bench_values(records: list[Record]) -> dict:
     """The benchmarks: a table of every one, and the largest model's GPU benchmark in figures (where one is)."""
-    from spectie import bench
+    from spectie.lab import bench
 
     gpu = [r for r in records if r.results.bf16_matmul_flops_per_s]
     largest = max(gpu, key=lambda r: qwen_shapes.parameter_count(r.parameters.model)

@@ -6,14 +6,14 @@ on ngram_gpu that follows from them. Computed from the records (the first page's
 from __future__ import annotations
 
 from spectie.book.pages import and_list, capitalised
-from spectie.record_types import Record
+from spectie.records.record_types import Record
 
 
 def engine_divergences(records: list[Record]) -> list[dict]:
     """Per divergence-verdicts record and speculative method: the vLLM outputs that parted from plain greedy,
     how many the classifier called near-ties, and the fp32 margins of the others."""
-    from spectie import divergence
-    from spectie.divergence_verdicts import VERDICTS_KIND
+    from spectie.tools import divergence
+    from spectie.tools.divergence_verdicts import VERDICTS_KIND
 
     rows = []
     for record in records:
@@ -34,8 +34,8 @@ def engine_divergences(records: list[Record]) -> list[dict]:
 def gpu_matrix_runs(records: list[Record]) -> dict[tuple[str, str], list[Record]]:
     """The measured reproduce-matrix records of trained weights (not a random-weight shape) run through vLLM on a
     GPU, per environment and model, ordered by vLLM release."""
-    from spectie.fixes import _version_key
-    from spectie.qwen_shapes import is_random_weight_run
+    from spectie.tools.fixes import _version_key
+    from spectie.lab.qwen_shapes import is_random_weight_run
 
     groups: dict[tuple[str, str], list[Record]] = {}
     for r in records:
@@ -53,7 +53,7 @@ def _k_list(records: list[Record]) -> str:
 def early_stops(runs: list[Record], method: str) -> tuple[list[str], list[str]]:
     """For one environment's matrix: the configurations of `method` that stopped earlier than the baseline on
     some prompt (with prompt seed, repeats and tokens written, in words), and those that never did."""
-    from spectie.completions import stopped_earlier, tokens_before_stop
+    from spectie.records.completions import stopped_earlier, tokens_before_stop
 
     baselines = {r.parameters.prompt_seed: r.results.repeats[0] for r in runs
                  if r.parameters.configuration == r.parameters.baseline and r.results.repeats}
@@ -107,7 +107,7 @@ def gpu_finding_parts(records: list[Record], ledger: Record | None = None) -> li
     than plain greedy and with which configurations, whether ngram_gpu parted from plain greedy and how the
     classifier's verdict records call those divergences, and which #39273 fixes the ledger finds in that
     release. Each covers one environment's records, all of its prompts: (where it ran, [one clause a path])."""
-    from spectie.fixes import pull_requests_text
+    from spectie.tools.fixes import pull_requests_text
 
     divergences = {(row["environment"], row["method"]): row for row in engine_divergences(records)}
     lines = []
@@ -144,8 +144,8 @@ def gpu_finding_parts(records: list[Record], ledger: Record | None = None) -> li
 
 def incident_ngram_text(records: list[Record], ledger: Record) -> str:
     """The incident's own ngram_gpu stops (reported) against the #39273 fixes the ledger finds in their release."""
-    from spectie.environments import load_environments, release
-    from spectie.fixes import pull_requests_text
+    from spectie.records.environments import load_environments, release
+    from spectie.tools.fixes import pull_requests_text
 
     environments = load_environments()
     parts = []
@@ -165,7 +165,7 @@ def incident_ngram_text(records: list[Record], ledger: Record) -> str:
 def same_release_ngram(records: list[Record], version: str) -> str:
     """What ngram_gpu did on the organism through the same vLLM release on a GPU here (classified divergences),
     as a clause; empty where that release did not run ngram_gpu here."""
-    from spectie.environments import release
+    from spectie.records.environments import release
 
     said = []
     for row in engine_divergences(records):
@@ -192,7 +192,7 @@ def same_release_ngram(records: list[Record], version: str) -> str:
 def ngram_advice(records: list[Record], ledger: Record | None = None) -> str:
     """What the records tell an operator of ngram_gpu on a hybrid model, per release run on a GPU; for a release
     where it wrote plain greedy's tokens, what the fix ledger leaves open there."""
-    from spectie.fixes import pull_requests_text
+    from spectie.tools.fixes import pull_requests_text
 
     bad, clean, versions = [], [], []
     divergences = {(row["environment"], row["method"]): row for row in engine_divergences(records)}

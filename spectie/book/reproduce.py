@@ -15,12 +15,12 @@ from typing import NamedTuple
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from spectie.environments import load_environments, release
+from spectie.records.environments import load_environments, release
 from spectie.book.incident import configuration_label, environment_label, outcome_label
-from spectie.records import model_name
-from spectie.record_types import EngineConfiguration, EngineOutcome, Record
-from spectie.completions import stopped_earlier, tokens_written
-from spectie.divergence import Verdict
+from spectie.lab.model import model_name
+from spectie.records.record_types import EngineConfiguration, EngineOutcome, Record
+from spectie.records.completions import stopped_earlier, tokens_written
+from spectie.tools.divergence import Verdict
 from spectie.engines.runner import root_cause
 
 STATUS_COLOURS = {"unsupported": "#dddddd", "crashed": "#b0b0b0", "interrupted": "#eeeeee"}
@@ -213,8 +213,8 @@ def grid_class(repeat: dict, baseline: dict | None) -> str:
 
 def divergence_verdicts(records: list[Record], threshold: float | None = None) -> dict[str, str]:
     """The classifier's verdict on each configuration whose first repeat parts from plain greedy's (same prompt, the
-    records' own model): its id -> "near-tie" or "suspected bug" (spectie.divergence, fp32 reference)."""
-    from spectie import divergence
+    records' own model): its id -> "near-tie" or "suspected bug" (spectie.tools.divergence, fp32 reference)."""
+    from spectie.tools import divergence
 
     base = next((r for r in records if r.parameters.configuration == r.parameters.baseline
                  and r.results.repeats), None)

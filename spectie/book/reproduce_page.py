@@ -12,9 +12,9 @@ import re
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from spectie import qwen_shapes
+from spectie.lab import qwen_shapes
 from spectie.engines.runner import root_cause
-from spectie.record_types import EngineOutcome, Record
+from spectie.records.record_types import EngineOutcome, Record
 from spectie.book.reproduce import (CONTEXT_TOKENS, decision_text, first_prompt, measured_runs, parting_text, prompt_seed,
                                RunKey, run_key, run_label)
 
@@ -202,7 +202,7 @@ def one_run(records: list[Record], environment: str) -> list[Record]:
     the build just ran), else those of a host of identical hardware (what the build reused), else the first
     recorded host's; of a host's runs, the unsplit one with the most repeats
     (the build's). Runs of several hosts, prompts or splits are never mixed."""
-    from spectie.records import standing_first
+    from spectie.records.store import standing_first
 
     mine = standing_first([r for r in records if r.environment == environment], environment)
     mine = [r for r in mine if r.fingerprint.host_id == mine[0].fingerprint.host_id]
@@ -221,8 +221,8 @@ def prose_values() -> dict:
 
     from transformers import AutoConfig
 
-    from spectie.model import resolve_model
-    from spectie.prompts import PromptSpec
+    from spectie.lab.model import resolve_model
+    from spectie.lab.prompts import PromptSpec
 
     config = AutoConfig.from_pretrained(resolve_model("organism"))
     layers = Counter(getattr(config, "text_config", config).layer_types)
@@ -246,7 +246,7 @@ def differ_text(records: list[Record]) -> str:
 def run_values(plan, records: list[Record], all_records: list[Record]) -> dict:
     """The glue values of this run (spectie.engines.plan.Plan): what ran, failed and differed on the first prompt's
     `records`, the baseline's ending, the designed decision, and across all prompts (`all_records`)."""
-    from spectie.tokenizer import model_tokenizer
+    from spectie.lab.tokenizer import model_tokenizer
 
     matrix, decision = plan.matrix, plan.prompt.decisive_output_token
     base = next((r.results for r in records if r.parameters.configuration == matrix.baseline), None)
@@ -277,7 +277,7 @@ def other_runs(measured: list[Record], this_build: set[str], decisive_output_tok
     from IPython.display import Markdown
 
     from spectie.book import pages
-    from spectie.records import provenance_line
+    from spectie.records.store import provenance_line
 
     shown = []
     for label, runs in by_run([r for r in measured if r.id not in this_build]).items():

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from spectie.bands import bf16_order_text
+from spectie.lab.bands import bf16_order_text
 from spectie.book.claims import Claim, Scope, commit_claim
-from spectie.divergence_verdicts import blind_spot
-from spectie.environments import gpu_releases, incident_releases
+from spectie.tools.divergence_verdicts import blind_spot
+from spectie.records.environments import gpu_releases, incident_releases
 from spectie.book.pages import and_list, bullets, capitalised
-from spectie.record_types import Record
+from spectie.records.record_types import Record
 from spectie.book.release_findings import engine_divergences, gpu_findings_markdown, incident_ngram_text, ngram_advice
-from spectie.thresholds import REFERENCE_ID, Reference, reference
+from spectie.tools.thresholds import REFERENCE_ID, Reference, reference
 
 NEAR_TIE = "a numerical near-tie, not a speculative-decoding correctness bug"
 NOT_SETTLED = "not settled by these records"
@@ -206,7 +206,7 @@ SPREAD_SHAPE = "qwen3.5-9b-shape"
 def spread_sentence(records: list[Record]) -> str:
     """Why the random-weight shapes are not evidence: how far one shape's band of the order of sums moves
     with the logit spread of its weights, from its records."""
-    from spectie.bands import band_points, spread_points
+    from spectie.lab.bands import band_points, spread_points
 
     sweeps = [r for r in records if r.kind == "reduction-sweep"]
     points = sorted(spread_points(band_points(sweeps), SPREAD_SHAPE), key=lambda p: p["logit_std"])
@@ -221,7 +221,7 @@ def spread_sentence(records: list[Record]) -> str:
 
 def verdict_part(records: list[Record], part: str):
     """One part of the verdict over `records` (the measure of the first page's claims: "answer", "because", ...)."""
-    from spectie.environments import load_environments
+    from spectie.records.environments import load_environments
 
     return getattr(verdict(records, load_environments()), part)
 
@@ -229,7 +229,7 @@ def verdict_part(records: list[Record], part: str):
 def findings_lines(records: list[Record], part: str) -> list[str] | str:
     """The first page's per-release findings ("gpu_findings") or ngram_gpu advice ("ngram_advice") over `records`,
     with the committed fix ledger (the measure of those claims)."""
-    from spectie.fixes import ledger_record
+    from spectie.tools.fixes import ledger_record
 
     ledger = ledger_record()
     if part == "gpu_findings":
@@ -241,7 +241,7 @@ def page_values(records: list[Record], environments: dict[str, dict]) -> dict:
     """The first page's glue values: the first report's stop, the verdict with its strength, reasons, caveats and
     what was not measured, the GPU findings and the ngram advice (each a claim over every record: their sentences
     name the records they rest on), and how many records say it."""
-    from spectie.fixes import ledger_record, unsettled_text
+    from spectie.tools.fixes import ledger_record, unsettled_text
 
     first = next(r for r in records if r.id == "original-mtp-wide-verify")
     answer = verdict(records, environments)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import statistics
 
-from spectie.completions import first_divergence, stopped_earlier, tokens_written
-from spectie.record_types import Record
+from spectie.records.completions import first_divergence, stopped_earlier, tokens_written
+from spectie.records.record_types import Record
 from spectie.book.reproduce import run_key
 
 RUN_FILES = ("environments/runs/cpu-reproduce-8-seeds.yaml", "environments/runs/cpu-reproduce-tp2.yaml")
@@ -160,7 +160,7 @@ def page_values(records: list[Record], decision: int | None = None, seed: int = 
     from IPython.display import Markdown
 
     from spectie.book.pages import capitalised, folded
-    from spectie.records import provenance_line
+    from spectie.records.store import provenance_line
 
     table = rows(records)
     shown = (folded(pd.DataFrame(table).style.hide(axis="index").format(precision=3, na_rep="—"),

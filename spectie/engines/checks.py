@@ -13,8 +13,8 @@ from pathlib import Path
 from spectie.engines.child import MARKER, V2_ONLY_FROM, release_key
 from spectie.engines.matrix import Matrix
 from spectie.engines.runner import child_environment, engine_kwargs
-from spectie.errors import UsageError
-from spectie.paths import project_root
+from spectie.records.errors import UsageError
+from spectie.records.paths import project_root
 
 
 def engine_python(environment: str) -> Path:
@@ -44,7 +44,7 @@ def probe_vllm(environment: str, python: Path | None = None) -> dict:
         if line.startswith(MARKER):
             probe = line[len(MARKER):]
             if kept:
-                from spectie.records import write_text_atomic
+                from spectie.records.store import write_text_atomic
 
                 write_text_atomic(kept, probe)
             return json.loads(probe)
@@ -58,7 +58,7 @@ def probe_key(python: Path) -> str | None:
     (then every call probes)."""
     import hashlib
 
-    from spectie.fingerprint import host_id
+    from spectie.records.fingerprint import host_id
 
     packages = sorted(p.name for p in Path(python).parent.parent.glob("lib/python*/site-packages/*.dist-info"))
     if not packages:
@@ -120,8 +120,8 @@ def check_seeds(seeds) -> list[int]:
 
 def build_prompt(model_path: str, tokens: int, seed: int, template: str):
     """The #3 prompt (a `[DATA]` listing cut after `name=`) in the model's own tokenizer."""
-    from spectie.prompts import PromptSpec, build_prompt as build
-    from spectie.tokenizer import model_tokenizer
+    from spectie.lab.prompts import PromptSpec, build_prompt as build
+    from spectie.lab.tokenizer import model_tokenizer
 
     spec = PromptSpec(tokens=tokens, seed=seed, template=template).check()
     return build(spec, model_tokenizer(model_path))
@@ -153,7 +153,7 @@ def check_devices(environment: dict, tensor_parallel_size: int) -> None:
     if tensor_parallel_size > described:
         raise UsageError(f"tensor_parallel_size {tensor_parallel_size}: environment {environment['id']!r} describes "
                          f"{described} GPU(s); a run over more GPUs is another environment (add it to environments/)")
-    from spectie.fingerprint import gpus
+    from spectie.records.fingerprint import gpus
 
     found = len(gpus())
     if tensor_parallel_size > found:

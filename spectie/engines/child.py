@@ -1,6 +1,6 @@
 """One vLLM engine in its own process: the reproduction chapter's child (run by spectie.engines.runner).
 
-It imports only the standard library, vLLM and `spectie.tiestop` (standard library only), so it runs in
+It imports only the standard library, vLLM and `spectie.tools.tiestop` (standard library only), so it runs in
 any environment's interpreter (the project's `.venv` with the CPU build of vLLM, or an environment's
 own venv with the official wheel).
 
@@ -122,7 +122,7 @@ def margins(result) -> dict:
     choice = result.outputs[0]
     if not choice.logprobs:
         return {}
-    from spectie import tiestop  # stdlib only, like this module
+    from spectie.tools import tiestop  # stdlib only, like this module
 
     [completion] = tiestop.from_request_output(result)
     top2 = [tiestop.runner_up(step)[1] for step in completion.steps]

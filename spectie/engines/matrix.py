@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from spectie.errors import UsageError, read_yaml
+from spectie.records.errors import UsageError, read_yaml
 
 METHODS = ("none", "ngram", "ngram_gpu", "mtp")
 MODEL_RUNNERS = (None, "V1", "V2")

@@ -21,9 +21,9 @@ from pathlib import Path
 from spectie.engines.matrix import EngineConfig, Matrix
 from spectie.engines.runner import (CHAPTER, Outcome, kill_running, make_record, record_id, request_for, request_key,
                                     run_child, summarize)
-from spectie.errors import UsageError
-from spectie.record_types import Record
-from spectie.paths import project_root
+from spectie.records.errors import UsageError
+from spectie.records.record_types import Record
+from spectie.records.paths import project_root
 
 
 def slot_environment(slot: int, parallel: int, platform: str, ranks: int = 1) -> dict:
@@ -97,8 +97,8 @@ class MatrixRun:
             self.slots.put(slot)
 
     def path_of(self, config: EngineConfig, seed: int) -> Path:
-        from spectie.fingerprint import host_id
-        from spectie.records import measured_path
+        from spectie.records.fingerprint import host_id
+        from spectie.records.store import measured_path
 
         rid = record_id(self.matrix, config, self.environment, seed, self.label, self.seeds, self.ranks)
         return measured_path({"environments": [self.environment], "chapter": CHAPTER, "id": rid,
@@ -158,7 +158,7 @@ class MatrixRun:
     def write(self, config: EngineConfig, request: dict, key: str, outcome: Outcome, started_at: str,
               placement: dict, paths: dict[int, Path]) -> list[Record]:
         """One record per prompt seed of what the engine did, compared with the baseline's tokens, written."""
-        from spectie.records import read_record, write_record
+        from spectie.records.store import read_record, write_record
 
         is_baseline = config.id == self.matrix.baseline
         records = []
@@ -173,8 +173,8 @@ class MatrixRun:
         return records
 
     def run_one(self, number: int, config: EngineConfig) -> list[Record]:
-        from spectie.fingerprint import now
-        from spectie.records import recorded_measurement
+        from spectie.records.fingerprint import now
+        from spectie.records.store import recorded_measurement
 
         request = request_for(config, self.matrix, self.model, list(self.prompts.values()), self.extra_engine)
         key = request_key(request, self.probe["vllm_version"])

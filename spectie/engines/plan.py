@@ -12,19 +12,19 @@ from dataclasses import dataclass, field
 
 from spectie.engines import checks
 from spectie.engines.matrix import Matrix, default_matrix_name, read_matrix
-from spectie.errors import UsageError
+from spectie.records.errors import UsageError
 
 
 @dataclass(frozen=True)
 class Plan:
-    environment: dict  # the environment file's content (spectie.environments.get_environment)
+    environment: dict  # the environment file's content (spectie.records.environments.get_environment)
     matrix: Matrix  # with the chosen configurations, repeats, engines at a time and sampling
     seeds: list[int]
     extra_engine: dict  # more vllm.LLM arguments for every engine (the environment's, the chapter's, tensor parallel)
     model_path: str
     model_label: str  # a random-weight checkpoint is named by shape and seed, not by its folder
     probe: dict  # the installed vLLM (checks.probe_vllm)
-    prompts: dict = field(default_factory=dict)  # seed -> the prompt (spectie.prompts.Prompt)
+    prompts: dict = field(default_factory=dict)  # seed -> the prompt (spectie.lab.prompts.Prompt)
 
     @property
     def prompt(self):
@@ -79,10 +79,10 @@ def make_plan(environment: str = "cpu", matrix: str = "auto", model: str = "orga
               parallel: int | None = None) -> Plan:
     """Everything a run needs, checked in order of cost (parameters, matrix, model, the installed vLLM, then the
     prompts against the engines' context): a UsageError says what is wrong before any engine starts."""
-    from spectie import qwen_shapes
+    from spectie.lab import qwen_shapes
     from spectie.engines.venvs import check_installed
-    from spectie.environments import get_environment
-    from spectie.model import resolve_model
+    from spectie.records.environments import get_environment
+    from spectie.lab.model import resolve_model
 
     env = get_environment(environment)
     chosen = choose_matrix(env, matrix, configurations, repeats, parallel, max_tokens, ignore_eos)

@@ -1,5 +1,5 @@
 """One engine of a reproduction run, and the record it makes: what defines and derives a measurement (its key
-hashes this file, with spectie/engines/child.py, spectie/tiestop.py and spectie/completions.py).
+hashes this file, with spectie/engines/child.py, spectie/tools/tiestop.py and spectie/records/completions.py).
 
 `request_for` builds what the engine child (spectie.engines.child) runs; `run_child` runs it in its own process
 and reads its events into an `Outcome`. A configuration that vLLM refuses with one of its known refusal messages
@@ -22,10 +22,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from spectie.completions import first_divergence, tokens_before_stop
+from spectie.records.completions import first_divergence, tokens_before_stop
 from spectie.engines.child import MARKER
 from spectie.engines.matrix import EXPECTED_STATUSES, EngineConfig, Matrix
-from spectie.paths import project_root
+from spectie.records.paths import project_root
 
 CHAPTER = "reproduce"
 TAIL_LINES = 30  # lines of the child's log kept in a record of a failed configuration
@@ -86,14 +86,14 @@ def request_for(config: EngineConfig, matrix: Matrix, model: str, prompts: list[
 
 # The files whose code runs an engine and summarizes its outcome (with the weights, the request and vLLM's version:
 # a run's measurement key).
-RUN_SOURCES = ("spectie/engines/runner.py", "spectie/engines/child.py", "spectie/tiestop.py",
-               "spectie/completions.py")
+RUN_SOURCES = ("spectie/engines/runner.py", "spectie/engines/child.py", "spectie/tools/tiestop.py",
+               "spectie/records/completions.py")
 
 
 def request_key(request: dict, vllm_version: str) -> str:
     """Identity of a run: the same weights (by digest, wherever they lie), engine arguments, prompts, sampling,
     repeats, vLLM and code (`fingerprint.measurement_key`); a record holding it is reused, not run again."""
-    from spectie.fingerprint import measurement_key
+    from spectie.records.fingerprint import measurement_key
 
     kwargs = dict(request["llm_kwargs"])
     model = kwargs.pop("model")
@@ -271,7 +271,7 @@ def record_id(matrix: Matrix, config: EngineConfig, environment: str, seed: int,
     """The record's id (and file name). A model other than the organism, a tensor-parallel size above 1 and a set of
     prompt seeds other than this one alone are named in it, so that runs that differ in them never overwrite
     each other (seeds 0 to 7: `-of-0-7`; a set that is not a range: a digest of it)."""
-    from spectie.fingerprint import host_id
+    from spectie.records.fingerprint import host_id
 
     named = "" if model == "organism" else re.sub(r"[^a-z0-9.]+", "-", model.lower()).strip("-")[:60] + "-"
     split = "" if tensor_parallel_size == 1 else f"-tp{tensor_parallel_size}"
@@ -291,8 +291,8 @@ def seed_set(seed: int, seeds: list[int] | None) -> str:
 def make_record(config: EngineConfig, matrix: Matrix, request: dict, results: dict, environment: str,
                 model_label: str, probe: dict, key: str, started_at: str, content_hash: str,
                 seed: int, prompt_ids: list[int], seeds: list[int] | None = None) -> dict:
-    from spectie.fingerprint import model_digest
-    from spectie.records import measured_record
+    from spectie.records.fingerprint import model_digest
+    from spectie.records.store import measured_record
 
     kwargs = request["llm_kwargs"]
     parameters = {

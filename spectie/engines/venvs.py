@@ -23,14 +23,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from spectie.errors import UsageError
+from spectie.records.errors import UsageError
 
 COMMIT_INDEX = "https://wheels.vllm.ai/{commit}/"  # one index per main-branch commit (the full hash)
 
 
 def pinned_environments() -> list[str]:
     """The environments whose vLLM `make venv` installs: they pin a release or a commit (cpu has .venv)."""
-    from spectie.environments import load_environments
+    from spectie.records.environments import load_environments
 
     return [env_id for env_id, env in load_environments().items()
             if env_id != "cpu" and (env["vllm"].get("version") or env["vllm"].get("commit"))]
@@ -160,7 +160,7 @@ def create_venv(environment: str, wheels: str | Path | None = None, commit: str 
                 log=print) -> Path:
     """.venvs/<environment> with that environment's vLLM (for GPU hosts), checked once installed; returns
     its interpreter. `wheels`, `commit`: see install_commands."""
-    from spectie.environments import get_environment
+    from spectie.records.environments import get_environment
     from spectie.engines.checks import engine_python, probe_vllm
 
     env = get_environment(environment)
