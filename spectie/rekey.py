@@ -55,13 +55,14 @@ def _survey(record: dict, path: Path):
 
 
 def _injection(record: dict, path: Path):
+    from spectie.engines import survey
     from spectie.records.fingerprint import measurement_key
     from spectie.lab.model import resolve_model
 
     p = record["parameters"]
     arguments = {"prompts": p["prompts"], "new_tokens": p["new_tokens"], "dtype": p["dtype"], "model_label": p["model"]}
-    sources = ("spectie/engines/survey.py", "spectie/lab/prompts.py", "spectie/lab/model.py")  # as survey.run_injection names them
-    return lambda: measurement_key("tiestop-injection", str(resolve_model(p["model"])), arguments, sources)
+    return lambda: measurement_key("tiestop-injection", str(resolve_model(p["model"])), arguments,
+                                   survey.INJECTION_SOURCES)
 
 
 def _guard_survey(record: dict, path: Path):

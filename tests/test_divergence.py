@@ -225,7 +225,8 @@ def test_the_labelled_cases_hold_every_public_class_and_both_labels():
 
 
 def test_every_planted_bug_class_changes_the_organisms_output(organism_runs):
-    from spectie.lab.model import end_of_text_ids, load_model, reference_gdn_kernels, resolve_model
+    from spectie.lab.model import load_model, reference_gdn_kernels, resolve_model
+    from spectie.lab.tokenizer import end_of_text_ids
 
     prompt, plain, _ = organism_runs
     with reference_gdn_kernels():

@@ -88,7 +88,7 @@ def test_plain_and_mtp_through_cuda_vllm(organism, tmp_path):
     from spectie.records.environments import get_environment
     from spectie.engines.matrix import read_matrix
     from spectie.records.store import validate_record
-    from spectie.engines.venvs import check_installed
+    from spectie.engines.checks import check_installed
 
     if not checks.engine_python(GPU_ENVIRONMENT).exists():
         pytest.skip(f"no .venvs/{GPU_ENVIRONMENT} (make venv ENV={GPU_ENVIRONMENT})")

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 from conftest import run_cli, run_main, survey_near_tie, this_hosts_records, typed
-from spectie.lab import host
+from spectie.lab import host, prompts
 from spectie.engines import survey
 from spectie.book import guidance_survey
 from spectie.records.environments import get_environment
@@ -158,12 +158,12 @@ def test_make_run_checks_the_host_before_running(monkeypatch):
 
 
 def test_survey_prompts_are_ordinary_and_checked():
-    specs = survey.prompt_specs(10)
+    specs = prompts.prompt_specs(10)
     assert [s.tokens for s in specs[:5]] == [256, 512, 1024, 1536, 256]
     assert {s.template for s in specs} == {"raw", "chat"} and len({s.seed for s in specs}) == 10
     assert all((s.tokens, s.seed) != (1845, 0) for s in specs)  # not the incident's prompt
     with pytest.raises(UsageError, match="whole number of prompts"):
-        survey.prompt_specs(0)
+        prompts.prompt_specs(0)
 
 
 def completion(ids, finish="stop", margin=None, top2=None):

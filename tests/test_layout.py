@@ -70,6 +70,30 @@ def test_imports_flow_one_way():
     assert _module_file(PACKAGE, "engines.runner") == PACKAGE / "engines" / "runner.py"
 
 
+LONGEST_CHAIN = 10  # modules, from `python -m spectie` (__main__) down
+
+
+def _longest_chain(graph: dict[str, set[str]]) -> list[str]:
+    import functools
+
+    @functools.cache
+    def down(name: str) -> tuple[str, ...]:
+        return (name, *max((down(m) for m in graph[name]), key=len, default=()))
+
+    return list(max((down(name) for name in graph), key=len))
+
+
+def test_no_import_chain_is_longer_than_ten_modules():
+    """Imports (function-level ones included) never run more than ten modules deep, `python -m spectie` included:
+    what a layer needs from the one below is a step, not a climb through it."""
+    modules = {**_modules(), "__main__": PACKAGE / "__main__.py"}
+    graph = {name: {m for m in _spectie_imports(path.read_text()) if m in modules and m != name
+                    and not name.startswith(m + ".")} for name, path in modules.items()}
+    assert _longest_chain({"a": {"b"}, "b": {"c"}, "c": set(), "d": {"c"}}) == ["a", "b", "c"]
+    chain = _longest_chain(graph)
+    assert len(chain) <= LONGEST_CHAIN, " -> ".join(chain)
+
+
 def lint_imports(root: Path) -> subprocess.CompletedProcess:
     """import-linter's contracts (pyproject.toml) over the package in `root`."""
     return subprocess.run([str(Path(sys.prefix) / "bin" / "lint-imports"), "--no-cache"], cwd=root,

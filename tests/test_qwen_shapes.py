@@ -3,7 +3,7 @@
 import pytest
 
 from conftest import typed
-from spectie.lab import bands, qwen_shapes, reduction_order
+from spectie.lab import bands, qwen_shapes, reduction_order, sweeps
 from spectie.records.errors import UsageError
 from spectie.records.record_types import Record
 
@@ -61,7 +61,7 @@ def test_every_precision_gets_the_same_bf16_weights_and_the_chosen_logit_spread(
 def test_a_sweep_of_a_shape_runs_and_its_record_says_random_weights(tiny_shape):
     result = reduction_order.sweep(tiny_shape, "cpu", ["bfloat16", "float32"], ["full", "decode", "verify-3"],
                                prompt_tokens=200, new_tokens=12, progress=False, weights_seed=3, logit_std=3.0)
-    assert result["weights"]["kind"] == qwen_shapes.LABEL and result["weights"]["seed"] == 3
+    assert result["weights"]["kind"] == sweeps.LABEL and result["weights"]["seed"] == 3
     assert result["model_parameters"] == qwen_shapes.parameter_count(tiny_shape)
     rows = {(r["dtype"], r["shape"]): r for r in result["rows"]}
     assert rows[("float32", "full")]["max_deviation"] == 0.0  # the reference itself

@@ -172,7 +172,7 @@ def test_records_name_the_weights_of_a_local_model(tmp_path, measured_record):
     pinned one is labelled as another organism, and only records of the same weights may be re-scored."""
     from spectie.records.fingerprint import environment_fingerprint, model_digest
     from spectie.lab.organism import pinned_digest
-    from spectie.lab.model import model_name
+    from spectie.lab.bands import model_name
     from spectie.records.store import same_weights
 
     (tmp_path / "model.safetensors").write_bytes(b"weights")
@@ -246,7 +246,7 @@ def test_a_hub_id_is_recorded_with_the_commit_and_weights_it_resolved_to(tmp_pat
     import huggingface_hub.constants
 
     from spectie.records.fingerprint import environment_fingerprint, model_revision
-    from spectie.lab.model import model_name
+    from spectie.lab.bands import model_name
 
     commit = "0123456789abcdef0123456789abcdef01234567"
     repo = tmp_path / "models--Qwen--Qwen3.5-0.8B"

@@ -156,7 +156,7 @@ def test_a_band_against_fp32_is_split_into_precision_and_the_order_of_sums():
 
 
 def test_a_shapes_spread_is_named_and_calibrated_to_the_incidents_top_logit():
-    from spectie.lab import qwen_shapes
+    from spectie.lab import qwen_shapes, sweeps
     from spectie.lab.bands import calibration_text, model_label
     from spectie.lab.reduction_order import measured_sweep_record
 
@@ -171,12 +171,12 @@ def test_a_shapes_spread_is_named_and_calibrated_to_the_incidents_top_logit():
         calibration_text(points, 30.0)
     assert calibration_text(points[2:], 16.47).startswith("no sweep of this shape records")
     dump = {"parameters": {"model": "qwen3.5-9b-shape", "device": "cuda"}, "fingerprint": {"host_id": "h"},
-            "results": {"weights": {"kind": qwen_shapes.LABEL, "logit_std": 4.5}}, "started_at": "t",
+            "results": {"weights": {"kind": sweeps.LABEL, "logit_std": 4.5}}, "started_at": "t",
             "finished_at": "t", "content_hash": "0" * 64}
     record = Record.from_dict(measured_sweep_record(dump, "h200"))
     assert record.id == "reduction-order-h200-qwen3-5-9b-shape-h-spread-4-5"
     assert model_label(record) == "qwen3.5-9b-shape (random weights, logit spread 4.5)"
-    dump["results"]["weights"]["logit_std"] = qwen_shapes.DEFAULT_LOGIT_STD
+    dump["results"]["weights"]["logit_std"] = sweeps.DEFAULT_LOGIT_STD
     assert measured_sweep_record(dump, "h200")["id"] == "reduction-order-h200-qwen3-5-9b-shape-h"
 
 
@@ -193,7 +193,7 @@ def test_a_run_whose_shapes_all_match_full_is_said_to_have_no_order_band():
 
 
 def test_the_largest_bf16_band_is_the_largest_models_widest_at_the_default_spread():
-    from spectie.lab.qwen_shapes import DEFAULT_LOGIT_STD
+    from spectie.lab.sweeps import DEFAULT_LOGIT_STD
     from spectie.lab.bands import largest_bf16_band
 
     point = {"dtype": "bfloat16", "tf32": False, "logit_std": DEFAULT_LOGIT_STD}

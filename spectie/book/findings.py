@@ -32,7 +32,7 @@ def early_stop_facts(runs: list[Record], baselines: dict, cases: dict, env_id: s
     ("same"), or parted earlier at a divergence the classifier calls a near-tie ("near-tie") or a suspected bug
     ("bug") on the run's first repeat, or not classified yet ("unclassified")."""
     from spectie.records.completions import stopped_earlier, tokens_before_stop
-    from spectie.tools.divergence import Verdict
+    from spectie.records.record_types import Verdict
 
     facts = []
     for r in sorted(runs, key=lambda r: (r.parameters.configuration, r.parameters.prompt_seed)):
@@ -75,7 +75,7 @@ def _before_text(fact: dict) -> str:
 def path_facts(records: list[Record]) -> list[dict]:
     """Per vLLM release on a GPU and decoding path (FINDINGS_SCOPE): its generations, how many parted from plain
     greedy, its early stops (`early_stop_facts`), and the classifier's verdicts on its divergences."""
-    from spectie.tools.divergence import Verdict
+    from spectie.records.record_types import Verdict
 
     cases = classified_cases(records)
     found = []

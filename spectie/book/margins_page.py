@@ -114,7 +114,7 @@ def incident_values(reported: list[Record]) -> dict:
 
 def recorded_runs_table(records: list[Record]) -> pd.DataFrame:
     """Every recorded measured logit comparison of the chapter: where it ran and who won in each precision."""
-    from spectie.lab.model import model_name
+    from spectie.lab.bands import model_name
 
     return pd.DataFrame([{
         "environment": r.environment, "host": r.fingerprint.host_id,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from spectie.lab import bands, host, qwen_shapes, reduction_order
+from spectie.lab import bands, host, qwen_shapes, reduction_order, sweeps
 from spectie.book import plots
 from spectie.book.incident import fp32_row
 from spectie.lab.margins import flip_curve
@@ -43,7 +43,7 @@ def run_values(record: Record, kernels: list[str], tf32: list[bool]) -> dict:
         "bf16_top1": max(r["top1_disagreements"] for r in bf16) if bf16 else 0,
         "bf16_vs_decode": max(r.get("top1_vs_decode", 0) for r in bf16) if bf16 else 0,
         "heatmap": plots.disagreement_heatmap(rows, "top-1 differs from the fp32 reference (this run)"),
-        "boxes": plots.margin_shift_boxes(rows, reduction_order.BAND_QUANTILE, "margin moves per shape (this run)"),
+        "boxes": plots.margin_shift_boxes(rows, sweeps.BAND_QUANTILE, "margin moves per shape (this run)"),
         "flips": plots.flip_probability_by_shape(curves, "bf16: flip probability by the fp32 margin (this run)"),
         "run_provenance": provenance_line([record])}
 
@@ -82,9 +82,9 @@ def records_values(records: list[Record], reported: list[Record]) -> dict:
     against the incident's margin, the bands' growth over the random-weight shapes, and flips pooled per model."""
     incident = fp32_row(reported)
     points = bands.band_points(records)
-    default_spread = [p for p in points if p["logit_std"] in (None, qwen_shapes.DEFAULT_LOGIT_STD)]
+    default_spread = [p for p in points if p["logit_std"] in (None, sweeps.DEFAULT_LOGIT_STD)]
     shape_bands = sorted((p for p in default_spread if p["dtype"] == "bfloat16" and not p["tf32"]
-                          and p["weights"] == qwen_shapes.LABEL and p["kernels"] == "torch"),
+                          and p["weights"] == sweeps.LABEL and p["kernels"] == "torch"),
                          key=lambda p: p["model_parameters"])
     largest = bands.largest_bf16_band(points)
     pooled = {bands.model_label(r) + " · " + r.device:
@@ -92,7 +92,7 @@ def records_values(records: list[Record], reported: list[Record]) -> dict:
                           and row["kernels"] == "torch" and not row["tf32"] for pair in row["pairs"]], MARGIN_EDGES)
               for r in records}
     stds = sorted({p["logit_std"] for p in default_spread if p["logit_std"] is not None}) or [
-        qwen_shapes.DEFAULT_LOGIT_STD]
+        sweeps.DEFAULT_LOGIT_STD]
     return {
         "incident_margin": incident["margin"],
         "band_plot": plots.band_by_model(default_spread, incident["margin"], "noise band per model, precision and kernels"),

@@ -17,10 +17,9 @@ import pandas as pd
 
 from spectie.records.environments import load_environments, release
 from spectie.book.incident import configuration_label, environment_label, outcome_label
-from spectie.lab.model import model_name
-from spectie.records.record_types import EngineConfiguration, EngineOutcome, Record
+from spectie.lab.bands import model_name
+from spectie.records.record_types import EngineConfiguration, EngineOutcome, Record, Verdict
 from spectie.records.completions import stopped_earlier, tokens_written
-from spectie.tools.divergence import Verdict
 from spectie.engines.runner import root_cause
 
 STATUS_COLOURS = {"unsupported": "#dddddd", "crashed": "#b0b0b0", "interrupted": "#eeeeee"}
@@ -211,28 +210,10 @@ def grid_class(repeat: dict, baseline: dict | None) -> str:
     return "other tokens, same length"
 
 
-def divergence_verdicts(records: list[Record], threshold: float | None = None) -> dict[str, str]:
-    """The classifier's verdict on each configuration whose first repeat parts from plain greedy's (same prompt, the
-    records' own model): its id -> "near-tie" or "suspected bug" (spectie.tools.divergence, fp32 reference)."""
-    from spectie.tools import divergence
-
-    base = next((r for r in records if r.parameters.configuration == r.parameters.baseline
-                 and r.results.repeats), None)
-    verdicts = {}
-    for r in records:
-        repeats = r.results.repeats
-        if base is None or r is base or not repeats or repeats[0].get("first_divergence") is None:
-            continue
-        pair = divergence.pair_from_records(r, base)
-        result = divergence.classify(r.parameters.model, pair["prompt_token_ids"], pair["a"], pair["b"], threshold)
-        verdicts[r.parameters.configuration] = result.verdict.short
-    return verdicts
-
-
 def repeat_grid(records: list[Record], max_tokens: int, title: str, verdicts: dict[str, str] | None = None):
     """Configuration × repeat, each cell one generation: its output tokens, coloured by what it did against
     plain greedy's (a stop that plain greedy makes too is not a truncation); hatched: did not run. `verdicts`
-    (divergence_verdicts): the classifier's word on a configuration that parts from plain greedy, beside its row;
+    (`divergence.matrix_verdicts`): the classifier's word on a configuration that parts from plain greedy, beside its row;
     a suspected bug's cells are cross-hatched."""
     from matplotlib.patches import Patch
 

@@ -12,7 +12,7 @@ import re
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from spectie.lab import qwen_shapes
+from spectie.lab import qwen_shapes, sweeps
 from spectie.engines.runner import root_cause
 from spectie.records.record_types import EngineOutcome, Record
 from spectie.book.reproduce import (CONTEXT_TOKENS, decision_text, first_prompt, measured_runs, parting_text, prompt_seed,
@@ -230,7 +230,7 @@ def prose_values() -> dict:
     return {"organism_layers": f"{layers['linear_attention']} Gated DeltaNet layers and {attention} attention layer"
                                + ("s" if attention != 1 else ""),
             "context_tokens": CONTEXT_TOKENS, "incident_seed": PromptSpec(tokens=1845).seed,
-            "shape_logit_std": qwen_shapes.DEFAULT_LOGIT_STD}
+            "shape_logit_std": sweeps.DEFAULT_LOGIT_STD}
 
 
 def differ_text(records: list[Record]) -> str:

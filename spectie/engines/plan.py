@@ -80,7 +80,7 @@ def make_plan(environment: str = "cpu", matrix: str = "auto", model: str = "orga
     """Everything a run needs, checked in order of cost (parameters, matrix, model, the installed vLLM, then the
     prompts against the engines' context): a UsageError says what is wrong before any engine starts."""
     from spectie.lab import qwen_shapes
-    from spectie.engines.venvs import check_installed
+    from spectie.engines.checks import check_installed
     from spectie.records.environments import get_environment
     from spectie.lab.model import resolve_model
 

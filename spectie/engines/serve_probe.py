@@ -6,7 +6,7 @@ engine core, and every later request gets HTTP 500. Which servers die depends on
 server); the CUDA build answered. The guard's own probe is two tokens for this reason (`guard.PROBE_TOKENS`).
 
 The reproducer this module runs and records, per server (plain, and MTP with one speculative token):
-  1. `vllm serve <organism> ...` (`guard_measure.serve_command`);
+  1. `vllm serve <organism> ...` (`serve.serve_command`);
   2. POST /v1/completions {"prompt": [248044, 248044], "max_tokens": 1, "temperature": 0}   (two tokens)
   3. POST /v1/completions {"prompt": [248044], "max_tokens": 1, "temperature": 0}           (one token)
   4. the two-token request again: does the server still answer?
@@ -24,7 +24,7 @@ from spectie.records.record_types import Record
 
 CHAPTER = "guidance"
 KIND = "server-probe"
-SOURCES = ("spectie/engines/serve_probe.py", "spectie/engines/guard_measure.py")
+SOURCES = ("spectie/engines/serve_probe.py", "spectie/engines/serve.py")
 SERVERS = {"plain": None, "mtp-k1": {"method": "mtp", "num_speculative_tokens": 1}}
 STEPS = (("two tokens", 2), ("one token", 1), ("two tokens again", 2))
 COMMAND = "python -m spectie.engines.serve_probe"
@@ -51,19 +51,11 @@ def _ask(url: str, served_model: str, prompt: list[int]) -> dict:
     return {"status": reply.status_code, "said": " ".join(str(said).split())[:300]}
 
 
-def error_line(log_text: str) -> str | None:
-    """The last exception line of a server log (`SomethingError: ...`), or None."""
-    import re
-
-    found = re.findall(r"^(?:\S+\s+)*?([A-Za-z_.]*(?:Error|Exception): .+)$", log_text, re.M)
-    return found[-1].strip()[:300] if found else None
-
-
 def probe_server(python, model: str, speculative: dict | None, log_path, env: dict | None = None) -> dict:
     """The three requests of STEPS against a fresh `vllm serve` (with the environment `env`'s engine flags and
     variables): each one's prompt length and answer, the log's error line, whether the process was still running
     at the end."""
-    from spectie.engines.guard_measure import free_port, serve_command, served
+    from spectie.engines.serve import error_line, free_port, serve_command, served
     from spectie.lab.tokenizer import model_tokenizer
 
     eos = model_tokenizer(model).convert_tokens_to_ids("<|endoftext|>")

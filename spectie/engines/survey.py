@@ -18,15 +18,16 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_compl
 
 from spectie.records.errors import UsageError
 from spectie.records.fingerprint import measurement_key
-from spectie.lab.prompts import CHECKPOINT, TEMPLATES, PromptSpec
+from spectie.lab.prompts import CHECKPOINT, LENGTHS, PromptSpec, prompt_specs
 from spectie.records.record_types import Record
 from spectie.records.store import recorded_measurement
 from spectie.tools.tiestop import Completion, Step, check, is_near_tie
 
 CHAPTER = "guidance"
 # The files whose code computes a survey (with the weights, arguments and library versions: its measurement key).
-SURVEY_SOURCES = ("spectie/engines/survey.py", "spectie/lab/prompts.py", "spectie/tools/tiestop.py", "spectie/engines/runner.py",
-                  "spectie/engines/child.py", "spectie/engines/matrix.py")
+SURVEY_SOURCES = ("spectie/engines/survey.py", "spectie/lab/prompts.py", "spectie/tools/tiestop.py",
+                  "spectie/engines/runner.py", "spectie/engines/child.py", "spectie/engines/matrix.py")
+INJECTION_SOURCES = ("spectie/engines/survey.py", "spectie/lab/prompts.py", "spectie/lab/model.py", "spectie/lab/tokenizer.py")
 
 
 def record_path(kind: str, environment: str, results_dir=None):
@@ -36,17 +37,6 @@ def record_path(kind: str, environment: str, results_dir=None):
 
     return measured_path({"environments": [environment], "fingerprint": {"host_id": host_id()}, "chapter": CHAPTER,
                           "id": f"{kind}-{environment}-{host_id()}".lower()}, results_dir)
-
-
-LENGTHS = (256, 512, 1024, 1536)  # prompt lengths in tokens, cycled over the prompts
-
-
-def prompt_specs(count: int, first_seed: int = 1) -> list[PromptSpec]:
-    """`count` ordinary prompts: lengths cycle through LENGTHS, templates alternate every len(LENGTHS)."""
-    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-        raise UsageError(f"the survey needs a whole number of prompts >= 1, got {count!r}")
-    return [PromptSpec(tokens=LENGTHS[i % len(LENGTHS)], seed=first_seed + i,
-                       template=TEMPLATES[(i // len(LENGTHS)) % len(TEMPLATES)]).check() for i in range(count)]
 
 
 def completion_row(event: dict) -> dict:
@@ -377,7 +367,8 @@ def inject(model: str, environment: str, count: int = 24, new_tokens: int = 200,
     flip at a near-tie reports about the same margin with the sign turned."""
     from spectie.records.chapters import current_hash
     from spectie.records.fingerprint import host_id, now
-    from spectie.lab.model import end_of_text_ids, torch_dtype
+    from spectie.lab.model import torch_dtype
+    from spectie.lab.tokenizer import end_of_text_ids
     from spectie.records.store import measured_path, measured_record, read_record, write_record
     from spectie.lab.tokenizer import model_tokenizer
 
@@ -386,7 +377,7 @@ def inject(model: str, environment: str, count: int = 24, new_tokens: int = 200,
     specs = prompt_specs(count)
     key = measurement_key(INJECTION_KIND, model, {"prompts": count, "new_tokens": new_tokens, "dtype": dtype,
                                                   "model_label": model_label},
-                          ("spectie/engines/survey.py", "spectie/lab/prompts.py", "spectie/lab/model.py"))
+                          INJECTION_SOURCES)
     earlier = recorded_measurement(record_path(INJECTION_KIND, environment, results_dir), key)
     if earlier is not None:
         return earlier

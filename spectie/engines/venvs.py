@@ -10,7 +10,7 @@ One way in per kind of pin:
   a PyPI release, not the commit. So the wheel is downloaded from the commit's index alone, then installed
   as a file (its dependencies from PyPI). The full hash comes from VLLM_COMMIT.
 
-Whatever was installed is then checked against the environment (check_installed): a venv holding another
+Whatever was installed is then checked against the environment (`checks.check_installed`): a venv holding another
 vLLM would put its numbers in the wrong column of the book.
 """
 
@@ -108,40 +108,6 @@ def expand(command: list[str]) -> list[str]:
     return expanded
 
 
-def installed_commit(probe: dict) -> str | None:
-    """The commit the installed vLLM was built from: vllm._version.commit_id, else the `+g<hash>` of
-    its version (a nightly's "0.11.1rc6.dev40+g77154ca6f.cu129"); None when neither says."""
-    if probe.get("vllm_commit"):
-        return str(probe["vllm_commit"]).strip().lower()
-    local = str(probe["vllm_version"]).partition("+")[2]
-    for part in local.lower().split("."):
-        if re.fullmatch(r"g[0-9a-f]{7,40}", part):
-            return part[1:]
-    return None
-
-
-def check_installed(environment: dict, probe: dict) -> None:
-    """A UsageError when the installed vLLM (`probe`: spectie.engines.checks.probe_vllm's) is not the one the
-    environment pins: another release, or another commit, or a commit that cannot be told."""
-    env_id, vllm = environment["id"], environment["vllm"]
-    version, commit = vllm.get("version"), vllm.get("commit")
-    installed = str(probe["vllm_version"])
-    fix = f"make venv ENV={env_id}" + (" VLLM_COMMIT=<full hash>" if commit else "")
-    if version and installed.partition("+")[0] != str(version):
-        raise UsageError(f"environment {env_id!r} pins vLLM {version}, but the installed vLLM is {installed}: "
-                         f"reinstall with `{fix}`")
-    if commit:
-        commit = str(commit).lower()
-        found = installed_commit(probe)
-        if found is None:
-            raise UsageError(f"environment {env_id!r} pins vLLM commit {commit}, but the commit of the installed "
-                             f"vLLM {installed} cannot be determined (no vllm._version.commit_id, no +g<hash> in "
-                             f"its version), so it may be another build: reinstall with `{fix}`")
-        if not (found.startswith(commit) or commit.startswith(found)):
-            raise UsageError(f"environment {env_id!r} pins vLLM commit {commit}, but the installed vLLM {installed} "
-                             f"was built from commit {found}: reinstall with `{fix}`")
-
-
 def share_image_packages(python: Path) -> Path:
     """Let the venv of `python` see the packages this interpreter sees outside its own prefix (an offline
     GPU image's torch and CUDA libraries, which may live in another environment than the system Python's
@@ -161,7 +127,7 @@ def create_venv(environment: str, wheels: str | Path | None = None, commit: str 
     """.venvs/<environment> with that environment's vLLM (for GPU hosts), checked once installed; returns
     its interpreter. `wheels`, `commit`: see install_commands."""
     from spectie.records.environments import get_environment
-    from spectie.engines.checks import engine_python, probe_vllm
+    from spectie.engines.checks import check_installed, engine_python, probe_vllm
 
     env = get_environment(environment)
     python = engine_python(environment)

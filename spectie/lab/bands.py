@@ -9,19 +9,35 @@ shape's band against the spread of its logits. Read by the tools' thresholds, th
 
 from __future__ import annotations
 
-from spectie.lab import qwen_shapes
+from spectie.lab.sweeps import BAND_QUANTILE, DEFAULT_LOGIT_STD, LABEL, spread_suffix, weights_of
 from spectie.records.record_types import Record
-from spectie.lab.reduction_order import BAND_QUANTILE, spread_suffix, weights_of
+
+
+def model_name(record: Record) -> str:
+    """The record's model with the digest of its weights where recorded. A record of the organism whose
+    digest is not the pinned one was made with another organism (before the organism was pinned, each
+    machine trained its own): it is labelled as such, wherever it is shown."""
+    from spectie.lab.organism import pinned_digest
+
+    model = record.parameters.model
+    digest = record.fingerprint and record.fingerprint.model_sha256
+    if model == "organism":
+        if not digest:
+            return "organism (weights not recorded)"
+        if digest == pinned_digest():
+            return f"organism ({digest}, pinned)"
+        return f"another organism ({digest}, not the pinned one)"
+    revision = record.fingerprint and record.fingerprint.model_revision
+    name = f"{model}@{revision[:12]}" if revision else model  # a hub id: the commit it resolved to
+    return f"{name} ({digest})" if digest else name
 
 
 def model_label(record: Record) -> str:
     """How a sweep record's model is named on the page: a random-weight shape as such (with its logit spread
-    where it is not the default), any other model by `model.model_name`."""
-    from spectie.lab.model import model_name
-
+    where it is not the default), any other model by `model_name`."""
     model = record.parameters.model
     spread = spread_suffix(record)
-    if weights_of(record) == qwen_shapes.LABEL:
+    if weights_of(record) == LABEL:
         return f"{model} (random weights{', ' + spread if spread else ''})"
     return model_name(record)
 
@@ -102,7 +118,7 @@ def largest_bf16_band(points: list[dict]) -> dict:
     among trained models and random-weight shapes at the default logit spread (other spreads are a sweep of that
     free parameter, shown beside them, not a wider band of the same model)."""
     bands = [p for p in points if p["dtype"] == "bfloat16" and not p["tf32"]
-             and p["logit_std"] in (None, qwen_shapes.DEFAULT_LOGIT_STD)]
+             and p["logit_std"] in (None, DEFAULT_LOGIT_STD)]
     return max(bands, key=lambda p: (p["model_parameters"], p["band"]))
 
 
@@ -173,7 +189,7 @@ def bf16_order_text(margin: float, records: list[Record]) -> str:
     speculative decoding are), per model size recorded at the default logit spread, in a sentence; "" if none."""
     points = [p for p in band_points([r for r in records if r.kind == "reduction-sweep"])
               if p["dtype"] == "bfloat16" and not p["tf32"] and p["order"] is not None
-              and p["logit_std"] in (None, qwen_shapes.DEFAULT_LOGIT_STD)]
+              and p["logit_std"] in (None, DEFAULT_LOGIT_STD)]
     widest: dict[str, dict] = {}
     for p in points:  # per model, its widest order band over kernels and devices
         name = p["label"].split(" · ")[0]

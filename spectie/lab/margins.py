@@ -18,9 +18,9 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
 from spectie.records.errors import UsageError
-from spectie.lab.model import (DTYPES, SHORT, Generation, check_causal_lm, check_device, end_of_text_ids,
-                           greedy_generate, load_model, reference_gdn_kernels, resolve_model, teacher_forced_logits,
-                           torch_dtype)
+from spectie.lab.model import (DTYPES, SHORT, Generation, check_causal_lm, check_device, greedy_generate, load_model,
+                               reference_gdn_kernels, resolve_model, teacher_forced_logits, torch_dtype)
+from spectie.lab.tokenizer import end_of_text_ids
 from spectie.records.record_types import DesignedDecisions, Record
 
 
@@ -315,7 +315,7 @@ def eos_flip_text(eos_flips: list[dict], eos_margins: list[float], reference: st
 
 RECORD_NAMES = ("decisive", "scan", "decisions", "flips")  # the chapter's records, in the order they are made
 # The files whose code measures the chapter (with the weights, parameters and library versions: its measurement key).
-SOURCES = ("spectie/lab/margins.py", "spectie/lab/model.py", "spectie/lab/prompts.py")
+SOURCES = ("spectie/lab/margins.py", "spectie/lab/model.py", "spectie/lab/prompts.py", "spectie/lab/tokenizer.py")
 
 
 def chapter_record(setup: MarginsSetup, environment: str, name: str, kind: str, title: str, parameters: dict,

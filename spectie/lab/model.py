@@ -177,39 +177,3 @@ def stepwise_logits(model, ids: list[int], positions: list[int]):
             if index in wanted:
                 result[wanted[index]] = out.logits[0, -1].double().cpu()
     return torch.stack(result)
-
-
-def end_of_text_ids(path: str, tokenizer=None) -> list[int]:
-    """The model's end-of-text ids: its generation config's EOS, else its tokenizer's."""
-    from transformers import GenerationConfig
-
-    from spectie.lab.tokenizer import model_tokenizer
-
-    try:
-        eos = GenerationConfig.from_pretrained(path).eos_token_id
-    except OSError:
-        eos = None
-    if eos is None:
-        eos = (tokenizer or model_tokenizer(str(path))).eos_token_id
-    if eos is None:
-        raise UsageError(f"model {path} names no end-of-text token: a stop against a continuation cannot be read")
-    return [int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)]
-
-
-def model_name(record) -> str:
-    """The record's model with the digest of its weights where recorded. A record of the organism whose
-    digest is not the pinned one was made with another organism (before the organism was pinned, each
-    machine trained its own): it is labelled as such, wherever it is shown."""
-    from spectie.lab.organism import pinned_digest
-
-    model = record.parameters.model
-    digest = record.fingerprint and record.fingerprint.model_sha256
-    if model == "organism":
-        if not digest:
-            return "organism (weights not recorded)"
-        if digest == pinned_digest():
-            return f"organism ({digest}, pinned)"
-        return f"another organism ({digest}, not the pinned one)"
-    revision = record.fingerprint and record.fingerprint.model_revision
-    name = f"{model}@{revision[:12]}" if revision else model  # a hub id: the commit it resolved to
-    return f"{name} ({digest})" if digest else name

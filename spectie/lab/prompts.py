@@ -137,3 +137,14 @@ def prompt_set(count: int, tokens: int, first_seed: int = 0, template: str = "ra
     if count < 1:
         raise UsageError(f"need at least one prompt, got {count}")
     return [PromptSpec(tokens=tokens, seed=first_seed + i, template=template).check() for i in range(count)]
+
+
+LENGTHS = (256, 512, 1024, 1536)  # prompt lengths in tokens, cycled over the prompts
+
+
+def prompt_specs(count: int, first_seed: int = 1) -> list[PromptSpec]:
+    """`count` ordinary prompts (the tie-stop survey's, the guard's): lengths cycle through LENGTHS, templates alternate every len(LENGTHS)."""
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise UsageError(f"the survey needs a whole number of prompts >= 1, got {count!r}")
+    return [PromptSpec(tokens=LENGTHS[i % len(LENGTHS)], seed=first_seed + i,
+                       template=TEMPLATES[(i // len(LENGTHS)) % len(TEMPLATES)]).check() for i in range(count)]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import sys
 
+from spectie.lab.sweeps import DEFAULT_LOGIT_STD, LABEL
 from spectie.records.errors import UsageError
 from spectie.records.record_types import Record
 
@@ -50,8 +51,6 @@ SHAPES = {
                              num_key_value_heads=4, linear_num_key_heads=16, linear_num_value_heads=32,
                              tie_word_embeddings=False),
 }
-LABEL = "random-weight shape"
-DEFAULT_LOGIT_STD = 3.0
 CALIBRATION_ROWS = 64  # last prompt rows whose logit spread sets the scale
 
 

@@ -29,14 +29,12 @@ import re
 from dataclasses import dataclass
 
 from spectie.lab import qwen_shapes
+from spectie.lab.sweeps import BAND_QUANTILE, DEFAULT_LOGIT_STD, LABEL, spread_of, weights_kind
 from spectie.records.errors import UsageError
 from spectie.records.record_types import Record
 
 GDN_CHUNK = 64  # transformers' torch_chunk_gated_delta_rule and fla's chunk kernels
 SHAPE_PATTERN = re.compile(r"^(full|decode|verify-(\d+)(?:@(\d+))?|prefill-(\d+)|batch-(\d+))$")
-BAND_QUANTILE = 0.99
-
-
 @dataclass(frozen=True)
 class Shape:
     name: str
@@ -286,7 +284,7 @@ def open_source(model: str) -> Source:
 def sweep(model: str, device: str, dtypes: list[str], shapes: list[str], kernels: list[str] = ("torch",),
           tf32: list[bool] = (False,), prompt_tokens: int = 1845, prompt_seed: int = 0, new_tokens: int = 96,
           reference_dtype: str = "float32", progress: bool = True, weights_seed: int = 0,
-          logit_std: float = qwen_shapes.DEFAULT_LOGIT_STD) -> dict:
+          logit_std: float = DEFAULT_LOGIT_STD) -> dict:
     """Every (kernels, TF32, dtype, shape) against one reference: the prompt and the continuation that
     bf16 greedy decoding writes (torch kernels), teacher-forced; the reference is a `full` forward in
     `reference_dtype` through the torch kernels with TF32 off. `weights_seed` and `logit_std` apply
@@ -321,7 +319,7 @@ def sweep(model: str, device: str, dtypes: list[str], shapes: list[str], kernels
     rows = measure_every_setting(source, device, dtypes, kernels, tf32, ids, positions, plan, reference, others,
                                  progress)
     weights = ({"kind": "trained checkpoint"} if source.weights == "trained" else
-               {"kind": qwen_shapes.LABEL, "seed": source.seed, "logit_std": logit_std, "logit_scale": source.scale})
+               {"kind": LABEL, "seed": source.seed, "logit_std": logit_std, "logit_scale": source.scale})
     return {"prompt": prompt.describe(), "output_tokens": len(generation.output_ids), "model_parameters": parameter_count,
             "weights": weights, "finish_reason": generation.finish_reason, "positions": len(positions),
             "reference_logits": logit_magnitudes(reference),
@@ -362,29 +360,6 @@ def logit_magnitudes(reference) -> dict:
             "std_median": float(reference.std(dim=1).median())}
 
 
-def _spread_suffix(weights: dict | None) -> str:
-    weights = weights or {}
-    if weights.get("kind") != qwen_shapes.LABEL or weights.get("logit_std", qwen_shapes.DEFAULT_LOGIT_STD) == \
-            qwen_shapes.DEFAULT_LOGIT_STD:
-        return ""
-    return f"logit spread {weights['logit_std']:g}"
-
-
-def _weights_kind(weights: dict | None) -> str:
-    return (weights or {}).get("kind", "trained checkpoint")
-
-
-def spread_suffix(record: Record) -> str:
-    """A random-weight shape's logit spread, when it is not the default one (records and labels name it)."""
-    return _spread_suffix(record.results.weights)
-
-
-def weights_of(record: Record) -> str:
-    """`trained checkpoint` or `random-weight shape` of a sweep record (records from before shapes existed:
-    trained)."""
-    return _weights_kind(record.results.weights)
-
-
 def measured_sweep_record(dump: dict, environment: str, chapter: str = "reduction_order") -> dict:
     """A measured record, as the dict to write, from a sweep's dump (parameters, results, times, fingerprint of the
     host that ran it)."""
@@ -393,9 +368,9 @@ def measured_sweep_record(dump: dict, environment: str, chapter: str = "reductio
 
     parameters, results = dump["parameters"], dump["results"]  # the dump's own dicts: a record is made of them
     model, weights = parameters["model"], results.get("weights")
-    label = f"{model} ({qwen_shapes.LABEL})" if _weights_kind(weights) == qwen_shapes.LABEL else model
+    label = f"{model} ({LABEL})" if weights_kind(weights) == LABEL else model
     name = f"{chapter}-{environment}-{model}-{dump['fingerprint']['host_id']}" + (
-        f"-spread-{weights['logit_std']:g}" if _spread_suffix(weights) else "")
+        f"-spread-{weights['logit_std']:g}" if spread_of(weights) else "")
     return measured_record(
         record_id=name.replace("_", "-").replace(".", "-"), kind="reduction-sweep", chapter=chapter,
         title=f"Reduction-order sweep of {label} ({parameters['device']})", environment=environment,
@@ -405,7 +380,8 @@ def measured_sweep_record(dump: dict, environment: str, chapter: str = "reductio
 
 
 # The files whose code computes a sweep (with the weights, parameters and library versions: its measurement key).
-SOURCES = ("spectie/lab/reduction_order.py", "spectie/lab/model.py", "spectie/lab/qwen_shapes.py", "spectie/lab/prompts.py")
+SOURCES = ("spectie/lab/reduction_order.py", "spectie/lab/model.py", "spectie/lab/qwen_shapes.py", "spectie/lab/prompts.py",
+           "spectie/lab/sweeps.py")
 
 
 def run(model: str, device: str, environment: str, dtypes: list[str], shapes: list[str], kernels: list[str],

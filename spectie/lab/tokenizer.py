@@ -103,5 +103,20 @@ def token_id(tokenizer, token: str) -> int:
     raise UsageError(f"the tokenizer has no single token {token!r} (it encodes as {len(ids)} tokens: {ids})")
 
 
+def end_of_text_ids(path: str, tokenizer=None) -> list[int]:
+    """The model's end-of-text ids: its generation config's EOS, else its tokenizer's."""
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:
+        eos = None
+    if eos is None:
+        eos = (tokenizer or model_tokenizer(str(path))).eos_token_id
+    if eos is None:
+        raise UsageError(f"model {path} names no end-of-text token: a stop against a continuation cannot be read")
+    return [int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)]
+
+
 if __name__ == "__main__":
     print(build_tokenizer())

@@ -10,9 +10,30 @@ records say less than measured ones. Nested rows (table rows, repeats, prompts) 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from spectie.records.record_fields import Fields, Fingerprint, RecordError, Source, _optional  # noqa: F401 (RecordError: re-exported)
+
+
+class Verdict(str, Enum):
+    """The divergence classifier's verdict on a first divergence (spectie.tools.divergence), in the tool's words;
+    `label` is how case files and verdict records store it, `short` how a figure marks it."""
+    NEAR_TIE = "numerical near-tie"
+    BUG = "suspected correctness bug"
+    IDENTICAL = "identical"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def label(self) -> str:
+        return {"numerical near-tie": "near-tie", "suspected correctness bug": "bug"}.get(self.value, self.value)
+
+    @property
+    def short(self) -> str:
+        return {"numerical near-tie": "near-tie", "suspected correctness bug": "suspected bug"}.get(self.value,
+                                                                                                   self.value)
 
 
 @_optional

@@ -19,31 +19,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
-from enum import Enum
 from pathlib import Path
 
 from spectie.records.errors import UsageError
-from spectie.records.record_types import Record
-
-
-class Verdict(str, Enum):
-    """The classifier's verdict on a first divergence, in the tool's words; `label` is how case files and verdict
-    records store it, `short` how a figure marks it."""
-    NEAR_TIE = "numerical near-tie"
-    BUG = "suspected correctness bug"
-    IDENTICAL = "identical"
-
-    def __str__(self) -> str:
-        return self.value
-
-    @property
-    def label(self) -> str:
-        return {"numerical near-tie": "near-tie", "suspected correctness bug": "bug"}.get(self.value, self.value)
-
-    @property
-    def short(self) -> str:
-        return {"numerical near-tie": "near-tie", "suspected correctness bug": "suspected bug"}.get(self.value,
-                                                                                                   self.value)
+from spectie.records.record_types import Record, Verdict
 
 
 @dataclass(frozen=True)
@@ -108,7 +87,7 @@ def _scores_file(path: str, prompt_ids: list[int], tokens_a: list[int], tokens_b
     if model_digest(path) is None:
         return None
     key = measurement_key("divergence-scores", path, [prompt_ids, tokens_a, tokens_b, device, serving_dtype],
-                          ("spectie/tools/divergence.py", "spectie/lab/model.py"))
+                          ("spectie/tools/divergence.py", "spectie/lab/model.py", "spectie/lab/tokenizer.py"))
     return project_root() / SCORES_DIR / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
 
 
@@ -270,7 +249,7 @@ def classify(model: str, prompt_ids: list[int], tokens_a: list[int], tokens_b: l
     engine, whatever its computation order, picks a token within the noise band of the reference's top-1.
     `threshold`: the noise band in logits; default the recorded bf16 band of the nearest model size."""
     from spectie.records.completions import first_divergence
-    from spectie.lab.model import end_of_text_ids
+    from spectie.lab.tokenizer import end_of_text_ids
     from spectie.tools.thresholds import threshold_for_model
     from spectie.lab.tokenizer import model_tokenizer
 
@@ -402,3 +381,19 @@ def baseline_record(record_path: str | Path) -> Record:
         if same_run and other.parameters.configuration == name:
             return other
     raise UsageError(f"no record of the baseline configuration {name!r} beside {record_path}")
+
+
+def matrix_verdicts(records: list[Record], threshold: float | None = None) -> dict[str, str]:
+    """The classifier's verdict on each configuration whose first repeat parts from plain greedy's (same prompt, the
+    records' own model): its id -> "near-tie" or "suspected bug" (fp32 reference)."""
+    base = next((r for r in records if r.parameters.configuration == r.parameters.baseline
+                 and r.results.repeats), None)
+    verdicts = {}
+    for r in records:
+        repeats = r.results.repeats
+        if base is None or r is base or not repeats or repeats[0].get("first_divergence") is None:
+            continue
+        pair = pair_from_records(r, base)
+        result = classify(r.parameters.model, pair["prompt_token_ids"], pair["a"], pair["b"], threshold)
+        verdicts[r.parameters.configuration] = result.verdict.short
+    return verdicts

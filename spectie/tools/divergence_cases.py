@@ -133,10 +133,10 @@ def build_cases(model: str = "organism", seeds=CASE_SEEDS, new_tokens: int = CAS
     goes on, on every seed of `tie_seeds`) and planted bugs of each class in BUGS (the buggy
     decoder against plain greedy, where it changes the output, on every seed of `seeds`). Divergences of real
     engines are not labelled: nobody knows their truth (recorded_pairs gives them, unlabelled)."""
-    from spectie.lab.model import end_of_text_ids, greedy_generate, load_model, reference_gdn_kernels, resolve_model
+    from spectie.lab.model import greedy_generate, load_model, reference_gdn_kernels, resolve_model
     from spectie.lab.prompts import PromptSpec, build_prompt
     from spectie.records.completions import first_divergence
-    from spectie.lab.tokenizer import model_tokenizer
+    from spectie.lab.tokenizer import end_of_text_ids, model_tokenizer
 
     path = resolve_model(model)
     tokenizer = model_tokenizer(str(path))

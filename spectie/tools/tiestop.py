@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from spectie.records.errors import UsageError
-from spectie.records.record_types import Record
 
 HOW_TO_REQUEST = ("request top-2 logprobs: SamplingParams(logprobs=2) offline; \"logprobs\": 2 for /v1/completions; "
                   "\"logprobs\": true, \"top_logprobs\": 2 for /v1/chat/completions")
@@ -94,8 +93,7 @@ def end_of_text(model_path: str) -> EndOfText:
     special = special_end_of_text(Path(model_path))
     if special:
         return special
-    from spectie.lab.model import end_of_text_ids
-    from spectie.lab.tokenizer import model_tokenizer
+    from spectie.lab.tokenizer import end_of_text_ids, model_tokenizer
 
     tokenizer = model_tokenizer(model_path)
     ids = end_of_text_ids(model_path, tokenizer)
@@ -319,7 +317,7 @@ def _token_ids(value, where: str) -> list[int]:
     return ids
 
 
-def from_record(record: Record) -> list[Completion]:
+def from_record(record) -> list[Completion]:
     """The completions of a reproduction record (`make run CHAPTER=reproduce`), one per repeat, as the detector
     reads them: the top-2 margin vLLM served at each output position, the stop token and its runner-up named."""
     if record.kind != "engine-outcome" or record.results.repeats is None:
