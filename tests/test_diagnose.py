@@ -126,6 +126,28 @@ def _row(configuration, stopped=0, earlier="", status="ok", repeats=10):
             "narrowest stop margin": None, "flagged by the detector": None}
 
 
+def test_the_detector_column_and_sentences_flag_a_stop_by_the_detectors_rule():
+    """A stop vLLM served 0.5 logits *below* its runner-up is outside a 0.1 band (the detector does not flag it:
+    something other than greedy chose it), one 0.05 above is inside, whichever the sign: the page says what
+    `tiestop.check` says, not "below the threshold"."""
+    from conftest import typed
+    from spectie.book import diagnose_page
+
+    def run(configuration, margin, tokens):
+        repeat = {"finish_reason": "stop", "output_tokens": tokens, "token_ids": [1] * tokens,
+                  "stop_margin": {"margin": margin}}
+        return typed({"parameters": {"configuration": configuration, "baseline": "plain"},
+                      "results": {"status": "ok", "repeats": [repeat]}})
+
+    rows = diagnose_page.configuration_rows([run("plain", -0.5, 9), run("request-mtp-k1", 0.05, 5)], 0.1)
+    assert [r["flagged by the detector"] for r in rows] == [False, True]
+    assert diagnose_page.plain_text([run("plain", -0.5, 9)], 0.1).endswith(
+        "its stop won by -0.500 logits in vLLM's own logprobs, beyond the detector's threshold")
+    assert diagnose_page.plain_text([run("plain", -0.05, 9)], 0.1).endswith("within the detector's threshold")
+    found = {"request-mtp-k1": {"position": 5, "runner_up": "x", "fp32": -0.3, "bf16": -0.2}}
+    assert diagnose_page.references_text(found, 0.1, "given").endswith("outside the noise band of 0.100 (given)")
+
+
 def test_a_request_that_never_stops_says_so_and_recommends_nothing():
     from spectie.book import diagnose_page
 

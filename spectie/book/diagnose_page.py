@@ -8,22 +8,19 @@ Every sentence is computed from the diagnosis's records.
 
 from __future__ import annotations
 
-from spectie.records.completions import stopped_earlier, tokens_before_stop, tokens_written
+from spectie.records.completions import baseline_run, stopped_earlier, tokens_before_stop, tokens_written
 from spectie.book.pages import and_list, device_of
 from spectie.records.record_types import Record
+from spectie.tools.tiestop import is_near_tie
 
 LEDGER_ISSUE = "39273"  # GDN state under speculation: the fixes the ledger follows
-
-
-def baseline_of(records: list[Record]) -> Record | None:
-    return next((r for r in records if r.parameters.configuration == r.parameters.baseline), None)
 
 
 def configuration_rows(records: list[Record], threshold: float) -> list[dict]:
     """Per configuration: its repeats, how many stopped and how many stopped earlier than plain greedy's first
     repeat, the tokens written, where it first parted from plain greedy, and the narrowest stop margin vLLM served
     (top-2 logprobs) with whether the detector flags it (`threshold`)."""
-    base = baseline_of(records)
+    base = baseline_run(records)
     first = base.results.repeats[0] if base and base.results.repeats else None
     rows = []
     for r in records:
@@ -39,7 +36,7 @@ def configuration_rows(records: list[Record], threshold: float) -> list[dict]:
             "tokens written": ", ".join(str(n) for n in sorted({tokens_written(x) for x in repeats})) or "—",
             "first parted at output token": 1 + min(parted) if parted else None,
             "narrowest stop margin": min(margins) if margins else None,
-            "flagged by the detector": (min(margins) <= threshold) if margins else None})
+            "flagged by the detector": any(is_near_tie(m, threshold) for m in margins) if margins else None})
     return rows
 
 
@@ -48,7 +45,7 @@ def classified(records: list[Record], device: str) -> dict[str, object]:
     plain greedy's first repeat: configuration -> its divergence."""
     from spectie.tools import divergence
 
-    base = baseline_of(records)
+    base = baseline_run(records)
     verdicts = {}
     for r in records:
         repeats = r.results.repeats or []
@@ -89,7 +86,7 @@ def _reproduces(rows: list[dict]) -> str:
 
 def plain_text(records: list[Record], threshold: float) -> str:
     """Does plain greedy stop there too? And by what margin its stop won, against the detector's threshold."""
-    base = baseline_of(records)
+    base = baseline_run(records)
     if base is None or not base.results.repeats:
         return "Not measured: plain greedy did not finish"
     first = base.results.repeats[0]
@@ -100,7 +97,7 @@ def plain_text(records: list[Record], threshold: float) -> str:
     margin = (first.get("stop_margin") or {}).get("margin")
     if margin is not None:
         said += (f"; its stop won by {margin:.3f} logits in vLLM's own logprobs, "
-                 f"{'within' if margin <= threshold else 'beyond'} the detector's threshold")
+                 f"{'within' if is_near_tie(margin, threshold) else 'beyond'} the detector's threshold")
     return said
 
 
@@ -120,7 +117,7 @@ def verdict_text(verdicts: dict, rows: list[dict], threshold: float) -> str:
 def stops_to_reference(records: list[Record]) -> dict[str, tuple[int, ...]]:
     """The stops worth a reference: each configuration's first repeat that ended on a stop (plain greedy's, and every
     one that stopped earlier than it), as its output tokens up to and with the stop token; one per distinct output."""
-    base = baseline_of(records)
+    base = baseline_run(records)
     first = base.results.repeats[0] if base and base.results.repeats else None
     chosen: dict[tuple[int, ...], str] = {}
     for r in records:
@@ -157,7 +154,7 @@ def references_text(found: dict, band: float, origin: str) -> str:
         f"at {configuration}'s stop (output token {ref['position']}), the stop token "
         f"{'leads' if ref['fp32'] >= 0 else 'trails'} {ref['runner_up']!r} by {abs(ref['fp32']):.3f} logits in fp32, "
         f"and {'leads' if ref['bf16'] >= 0 else 'trails'} it by {abs(ref['bf16']):.3f} in bf16: "
-        f"{'inside' if abs(ref['fp32']) <= band else 'outside'} the noise band of {band:.3f} ({origin})"
+        f"{'inside' if is_near_tie(ref['fp32'], band) else 'outside'} the noise band of {band:.3f} ({origin})"
         for configuration, ref in found.items())
 
 

@@ -82,7 +82,7 @@ def path_facts(records: list[Record]) -> list[dict]:
     for (env_id, _), runs in gpu_matrix_runs(records).items():
         first = runs[0].fingerprint
         baselines = {r.parameters.prompt_seed: r.results.repeats[0] for r in runs
-                     if r.parameters.configuration == r.parameters.baseline and r.results.repeats}
+                     if r.is_baseline and r.results.repeats}
         for method, label in PATHS:
             mine = [r for r in runs if r.parameters.method == method and r.results.repeats]
             if not mine:

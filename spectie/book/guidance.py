@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from spectie.tools import thresholds, tiestop
 from spectie.book.claims import Claim, covering
-from spectie.records.completions import stopped_earlier, tokens_written
+from spectie.records.completions import baseline_run, stopped_earlier, tokens_written
 from spectie.book.incident import b200_facts, fp32_row, logit_comparison
 from spectie.records.record_types import Record
 
@@ -229,11 +229,6 @@ def noise_band(model: str, threshold: float | None, detector: bool = False) -> t
 
     find = thresholds.detector_threshold_for_model if detector else thresholds.threshold_for_model
     return find(resolve_model(model))
-
-
-def baseline_run(runs: list[Record]) -> Record | None:
-    """The run of the baseline configuration (plain greedy), or None."""
-    return next((r for r in runs if r.parameters.configuration == r.parameters.baseline), None)
 
 
 def first_repeats(runs: list[Record]) -> dict[str, dict]:

@@ -56,7 +56,7 @@ def early_stops(runs: list[Record], method: str) -> tuple[list[str], list[str]]:
     from spectie.records.completions import stopped_earlier, tokens_before_stop
 
     baselines = {r.parameters.prompt_seed: r.results.repeats[0] for r in runs
-                 if r.parameters.configuration == r.parameters.baseline and r.results.repeats}
+                 if r.is_baseline and r.results.repeats}
     stopped, never = {}, []
     for name in sorted({r.parameters.configuration for r in runs if r.parameters.method == method}):
         for r in sorted((r for r in runs if r.parameters.configuration == name),

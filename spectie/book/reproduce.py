@@ -19,7 +19,7 @@ from spectie.records.environments import load_environments, release
 from spectie.book.incident import configuration_label, environment_label, outcome_label
 from spectie.lab.bands import model_name
 from spectie.records.record_types import EngineConfiguration, EngineOutcome, Record, Verdict
-from spectie.records.completions import stopped_earlier, tokens_written
+from spectie.records.completions import baseline_run, stopped_earlier, tokens_written
 from spectie.engines.runner import root_cause
 
 STATUS_COLOURS = {"unsupported": "#dddddd", "crashed": "#b0b0b0", "interrupted": "#eeeeee"}
@@ -221,7 +221,7 @@ def repeat_grid(records: list[Record], max_tokens: int, title: str, verdicts: di
     runs = measured_runs(records)
     width = max([len(r.results.repeats) for r in runs] + [r.parameters.repeats for r in runs] + [1])
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(runs) + 1.6))
-    base = next((r for r in runs if r.parameters.configuration == r.parameters.baseline), None)
+    base = baseline_run(runs)
     baseline = base.results.repeats[0] if base and base.results.repeats else None
     seen = set()
     for row, r in enumerate(runs):

@@ -45,7 +45,7 @@ def _margin(repeat: dict, index: int | None) -> float | None:
 
 def _earlier_than_plain(record: Record, baselines: dict) -> str:
     base = baselines.get((run_key(record), record.parameters.prompt_seed))
-    if base is None or record.parameters.configuration == record.parameters.baseline:
+    if base is None or record.is_baseline:
         return "—"
     return "yes" if stopped_earlier(record.results.repeats[0], base) else "no"
 
@@ -67,7 +67,7 @@ def rows(records: list[Record]) -> list[dict]:
     """One row per configuration and prompt run both ways (first repeats)."""
     baselines = {(run_key(r), r.parameters.prompt_seed): r.results.repeats[0] for r in records
                  if r.kind == "engine-outcome" and r.measured and r.results.repeats
-                 and r.parameters.configuration == r.parameters.baseline}
+                 and r.is_baseline}
     table = []
     for one, split in pairs(records):
         a, b = one.results.repeats[0], split.results.repeats[0]

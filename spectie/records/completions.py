@@ -36,3 +36,8 @@ def stopped_earlier(repeat: dict, baseline: dict) -> bool:
     if repeat["finish_reason"] != "stop":
         return False
     return baseline["finish_reason"] != "stop" or tokens_written(repeat) < tokens_written(baseline)
+
+
+def baseline_run(runs):
+    """The run of the baseline configuration (plain greedy) among engine runs (`Record.is_baseline`), or None."""
+    return next((r for r in runs if r.is_baseline), None)

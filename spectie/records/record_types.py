@@ -425,6 +425,11 @@ class Record:
         return self.provenance == "measured"
 
     @property
+    def is_baseline(self) -> bool:
+        """An engine run of its matrix's baseline configuration (plain greedy): what the other runs are held against."""
+        return self.parameters.configuration == self.parameters.baseline
+
+    @property
     def device(self) -> str:
         """The GPU a measured record ran on, or CPU."""
         return (self.fingerprint and self.fingerprint.gpu) or "CPU"

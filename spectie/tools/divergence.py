@@ -23,6 +23,7 @@ from pathlib import Path
 
 from spectie.records.errors import UsageError
 from spectie.records.record_types import Record, Verdict
+from spectie.tools.tiestop import is_near_tie
 
 
 @dataclass(frozen=True)
@@ -221,7 +222,7 @@ def judge(index: int, text_a: str, text_b: str, margin: float, threshold: float,
     if stop_position == index:
         head = (f"sequence {stopped} stops at output token {index + 1} where the other goes on (end-of-text against "
                 f"{text_b if stopped == 'a' else text_a!r}, stop against continue); {head}")
-    if abs(margin) > threshold:
+    if not is_near_tie(margin, threshold):
         verdict = Verdict.BUG
         explanation = (f"{head} (outside the {threshold:.3f} noise band): a correct computation would not pick "
                        f"{text_a if margin < 0 else text_b!r} there; look for a bug")
@@ -386,8 +387,7 @@ def baseline_record(record_path: str | Path) -> Record:
 def matrix_verdicts(records: list[Record], threshold: float | None = None) -> dict[str, str]:
     """The classifier's verdict on each configuration whose first repeat parts from plain greedy's (same prompt, the
     records' own model): its id -> "near-tie" or "suspected bug" (fp32 reference)."""
-    base = next((r for r in records if r.parameters.configuration == r.parameters.baseline
-                 and r.results.repeats), None)
+    base = next((r for r in records if r.is_baseline and r.results.repeats), None)
     verdicts = {}
     for r in records:
         repeats = r.results.repeats

@@ -181,7 +181,7 @@ def recorded_pairs(records: list[Record]) -> list[dict]:
     """Unlabelled divergences of real engines: each speculative run (first repeat) that parts from plain greedy
     on its prompt, once per prompt and position, from reproduction records of one model and host."""
     plain = {r.parameters.prompt_seed: r for r in records if r.parameters.method == "none"
-             and r.parameters.configuration == r.parameters.baseline and r.results.repeats}
+             and r.is_baseline and r.results.repeats}
     pairs, seen = [], set()
     for r in sorted(records, key=lambda r: (r.parameters.prompt_seed, r.parameters.configuration)):
         seed = r.parameters.prompt_seed

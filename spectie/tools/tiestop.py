@@ -130,8 +130,9 @@ def runner_up(step: Step) -> tuple[str | None, float]:
 
 
 def is_near_tie(margin: float, threshold: float) -> bool:
-    """The detector's rule: the stop token and the runner-up are at most `threshold` logits apart, in either
-    order (a stop token below the runner-up was not chosen by greedy decoding, but a near-tie is one either way).
+    """The one rule of a near-tie: two tokens at most `threshold` logits apart, in either order. The detector's, on a
+    stop token and its runner-up (a stop token below the runner-up was not chosen by greedy decoding, but a near-tie
+    is one either way); the classifier's, on two diverging tokens in fp32; and every page's that says either.
     At most, not less than: served margins are differences of bf16 logits, so a margin of exactly one bf16 step
     (`thresholds.bf16_step`) is the closest two different logits can be."""
     return abs(margin) <= threshold
