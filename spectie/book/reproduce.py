@@ -19,7 +19,7 @@ from spectie.records.environments import load_environments, release
 from spectie.book.incident import configuration_label, environment_label, outcome_label
 from spectie.lab.bands import model_name
 from spectie.records.record_types import EngineConfiguration, EngineOutcome, Record, Verdict
-from spectie.records.completions import baseline_run, stopped_earlier, tokens_written
+from spectie.records.completions import baseline_run, stop_moved, tokens_written
 from spectie.engines.runner import root_cause
 
 STATUS_COLOURS = {"unsupported": "#dddddd", "crashed": "#b0b0b0", "interrupted": "#eeeeee"}
@@ -200,14 +200,9 @@ def grid_class(repeat: dict, baseline: dict | None) -> str:
         return "no plain greedy to compare"
     if repeat.get("same_as_baseline") or repeat["token_hash"] == baseline["token_hash"]:
         return "as plain greedy"
-    stopped, base_stopped = repeat["finish_reason"] == "stop", baseline["finish_reason"] == "stop"
-    if stopped_earlier(repeat, baseline):
-        return "stopped earlier than plain greedy"
-    if stopped and tokens_written(repeat) > tokens_written(baseline):
-        return "stopped later than plain greedy"
-    if not stopped and base_stopped:
-        return "ran on where plain greedy stopped"
-    return "other tokens, same length"
+    return {"earlier": "stopped earlier than plain greedy", "only here": "stopped earlier than plain greedy",
+            "later": "stopped later than plain greedy", "only in the baseline": "ran on where plain greedy stopped",
+            "same": "other tokens, same length"}[stop_moved(repeat, baseline)]
 
 
 def repeat_grid(records: list[Record], max_tokens: int, title: str, verdicts: dict[str, str] | None = None):

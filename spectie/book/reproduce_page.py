@@ -14,15 +14,10 @@ import pandas as pd
 
 from spectie.lab import qwen_shapes, sweeps
 from spectie.engines.runner import root_cause
-from spectie.records.record_types import EngineOutcome, Record
+from spectie.records.completions import stop_moved
+from spectie.records.record_types import Record
 from spectie.book.reproduce import (CONTEXT_TOKENS, decision_text, first_prompt, measured_runs, parting_text, prompt_seed,
                                RunKey, run_key, run_label)
-
-
-def _stop(results: EngineOutcome) -> int | None:
-    """Output tokens of the first repeat if it stopped with EOS, else None (ran to max_tokens)."""
-    repeat = results.repeats[0]
-    return repeat["output_tokens"] if repeat["finish_reason"] == "stop" else None
 
 
 def first_parting(record: Record) -> int | None:
@@ -47,20 +42,13 @@ def seeds_rows(records: list[Record], baseline: str | None) -> list[dict]:
             at = first_parting(r)
             if at is not None:
                 parted.append(at)
-            here, there = _stop(r.results), _stop(base[prompt_seed(r)])
-            if here is None and there is None or here == there:
-                stops["same"] += 1
-            elif there is None:
-                stops["only here"] += 1
-            elif here is None:
-                stops["only in the baseline"] += 1
-            else:
-                stops["earlier" if here < there else "later"] += 1
+            stops[stop_moved(r.results.repeats[0], base[prompt_seed(r)].repeats[0])] += 1
         rows.append({
             "configuration": config,
             "status": ", ".join(sorted({r.results.status for r in runs})),
             "prompts": len(ran),
-            "stopped early (first repeat)": f"{sum(_stop(r.results) is not None for r in ran)}/{len(ran)}",
+            "stopped early (first repeat)": f"{sum(r.results.repeats[0]['finish_reason'] == 'stop' for r in ran)}"
+                                            f"/{len(ran)}",
             "parts from the baseline": "baseline" if config == baseline else f"{len(parted)}/{len(ran)}",
             "where (output token)": ", ".join(str(p) for p in sorted(parted)) or "—",
             "stop moved": "—" if config == baseline else

@@ -38,6 +38,18 @@ def stopped_earlier(repeat: dict, baseline: dict) -> bool:
     return baseline["finish_reason"] != "stop" or tokens_written(repeat) < tokens_written(baseline)
 
 
+def stop_moved(repeat: dict, baseline: dict) -> str:
+    """Where a repeat's stop lies against its baseline's: "same" (both ran to the limit, or both stopped after as many
+    tokens), "earlier" or "later" (both stopped), "only here" or "only in the baseline" (one of them stopped).
+    `stopped_earlier` is "earlier" or "only here"."""
+    here, there = repeat["finish_reason"] == "stop", baseline["finish_reason"] == "stop"
+    if here != there:
+        return "only here" if here else "only in the baseline"
+    if not here or tokens_written(repeat) == tokens_written(baseline):
+        return "same"
+    return "earlier" if stopped_earlier(repeat, baseline) else "later"
+
+
 def baseline_run(runs):
     """The run of the baseline configuration (plain greedy) among engine runs (`Record.is_baseline`), or None."""
     return next((r for r in runs if r.is_baseline), None)
