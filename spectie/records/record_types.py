@@ -1,6 +1,6 @@
 """Typed run records: what each kind of record holds, as attributes.
 
-`Record.from_dict` builds one from a stored record (records.py validates it against record.schema.json first).
+`Record.from_dict` builds one from a stored record (store.py validates it against record.schema.json first).
 Each kind has a type for its `parameters` and one for its `results`; a field that the kind's type does not
 declare is refused, so the types, the schema and the stored records stay in step (tests/test_records.py reads
 every stored record and the schema's declared fields). A field the record leaves out reads as None: reported
