@@ -47,12 +47,16 @@ def test_the_readme_maps_every_layer_and_each_layer_names_its_modules():
     assert not unnamed, f"modules no map names: {unnamed}"
 
 
+def _import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Each module and the modules of `modules` it imports (function-level imports included)."""
+    return {name: {m for m in _spectie_imports(path.read_text()) if m in modules and m != name
+                   and not name.startswith(m + ".")}  # a module's own package is not an import of it
+            for name, path in modules.items()}
+
+
 def test_imports_flow_one_way():
     """No two modules import each other, directly or through others (function-level imports included)."""
-    modules = _modules()
-    graph = {name: {m for m in _spectie_imports(path.read_text()) if m in modules and m != name
-                    and not name.startswith(m + ".")}  # a module's own package is not a cycle
-             for name, path in modules.items()}
+    graph = _import_graph(_modules())
 
     def cycle_from(start):
         stack = [(start, [start])]
@@ -86,9 +90,7 @@ def _longest_chain(graph: dict[str, set[str]]) -> list[str]:
 def test_no_import_chain_is_longer_than_ten_modules():
     """Imports (function-level ones included) never run more than ten modules deep, `python -m spectie` included:
     what a layer needs from the one below is a step, not a climb through it."""
-    modules = {**_modules(), "__main__": PACKAGE / "__main__.py"}
-    graph = {name: {m for m in _spectie_imports(path.read_text()) if m in modules and m != name
-                    and not name.startswith(m + ".")} for name, path in modules.items()}
+    graph = _import_graph({**_modules(), "__main__": PACKAGE / "__main__.py"})
     assert _longest_chain({"a": {"b"}, "b": {"c"}, "c": set(), "d": {"c"}}) == ["a", "b", "c"]
     chain = _longest_chain(graph)
     assert len(chain) <= LONGEST_CHAIN, " -> ".join(chain)

@@ -34,8 +34,8 @@ LEVELS = (1, 8, 64)
 ROUTES = ("straight", "guarded")
 BATCH_SECONDS = 600  # a batch still running after this is cut off: its unanswered requests are recorded as such
 SOURCES = ("spectie/tools/guard.py", "spectie/tools/guard_proxy.py", "spectie/engines/guard_measure.py",
-           "spectie/engines/guard_load.py", "spectie/engines/serve.py", "spectie/lab/prompts.py", "spectie/tools/tiestop.py",
-           "spectie/tools/thresholds.py")
+           "spectie/engines/guard_load.py", "spectie/engines/serve.py", "spectie/lab/prompts.py",
+           "spectie/tools/tiestop.py", "spectie/tools/thresholds.py")
 
 
 @dataclass(frozen=True)
@@ -201,7 +201,7 @@ def measure_server(setup: dict, server: str, prefix_caching: bool, plan, bar=Non
     """One server (and the guard in front of it) through every planned batch: the record's results. A server or
     proxy that does not start is a result too (its error, and no rows)."""
     from spectie.tools import guard
-    from spectie.engines.serve import free_port, serve_command, served
+    from spectie.engines.serve import error_line, free_port, serve_command, served
     from spectie.records.paths import project_root
 
     logs = project_root() / "_build" / "logs" / CHAPTER
@@ -221,8 +221,6 @@ def measure_server(setup: dict, server: str, prefix_caching: bool, plan, bar=Non
                 results.update(threshold=checked.threshold, threshold_origin=checked.threshold_origin,
                                max_resumes=checked.max_resumes)
     except (RuntimeError, UsageError) as exc:
-        from spectie.engines.serve import error_line
-
         server_log = logs / f"{name}.log"
         said = error_line(server_log.read_text(errors="replace")) if server_log.is_file() else None
         text = " ".join(str(exc).split()).replace(f"{project_root()}/", "")  # the logs' paths relative to the project
